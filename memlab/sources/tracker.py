@@ -1,0 +1,265 @@
+"""TensorTracker: GPU memory statistics from a run on any device, through PyTorch's dispatcher.
+
+The tracker is a ``TorchDispatchMode``. It sees the outputs of every aten op (forward, backward,
+optimizer steps), counts each storage once, when it first appears as a new storage, and learns of
+its release through a weak reference on the ``UntypedStorage`` (PyTorch keeps that Python object
+alive exactly as long as the C++ storage). Each allocation and release is replayed into a model of
+the device's allocator (by default the CUDA caching allocator), so a CPU or ``meta`` run reports the
+numbers a GPU would show.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+from memlab._units import parse_size
+from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
+from memlab.sources.base import normalize_device
+
+__all__ = ["TensorTracker", "active_tracker"]
+
+_ALLOCATORS: dict[str | None, Callable[..., Any]] = {
+    "cuda": CachingAllocatorModel,
+    None: ExactAllocator,
+}
+# Ops whose output aliases an input in their schema, yet hand back a storage created just before
+# the op outside the dispatcher (``torch.tensor([...])`` builds its data, then calls lift_fresh).
+_FRESH_ALIASES = {torch.ops.aten.lift_fresh.default}
+
+_active: list[TensorTracker] = []
+
+
+def active_tracker() -> TensorTracker | None:
+    """The innermost :class:`TensorTracker` currently entered, or ``None``."""
+    return _active[-1] if _active else None
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a counted storage that remembers how to release it."""
+
+    __slots__ = ("allocator", "handle", "key", "nbytes")
+
+
+def _alias_flags(func: Any) -> tuple[bool, bool]:
+    """(outputs alias an input, outputs are written in place) according to the op's schema."""
+    infos = [ret.alias_info for ret in func._schema.returns]
+    return (
+        any(info is not None for info in infos),
+        any(info is not None and info.is_write for info in infos),
+    )
+
+
+def _iter_tensors(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif item is not None:
+                yield from (t for t in tree_leaves(item) if isinstance(t, torch.Tensor))
+
+
+def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages behind ``tensor``; a wrapper subclass is flattened to its inner tensors."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        for attr in attrs:
+            yield from _storages(getattr(tensor, attr))
+        return
+    if tensor.is_sparse:
+        yield from _storages(tensor._indices())
+        yield from _storages(tensor._values())
+        return
+    try:
+        yield tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+        return
+
+
+class TensorTracker(TorchDispatchMode):
+    """Count tensor storages as they are created and freed, and model the memory they would take.
+
+    Use it as a context manager around the code to measure. Inside, every storage created by an
+    aten op on any device (``cpu``, ``meta``, ``cuda``) is counted once, on the device it lives on;
+    views and in-place results of existing storages count zero times; storages that existed before
+    the tracker was entered are "pre-existing" and never counted, not even when freed. Releases are
+    seen through weak references, also after the ``with`` block ends.
+
+    ``allocator="cuda"`` (default) replays the events through :class:`CachingAllocatorModel`, so
+    statistics are those the CUDA caching allocator would report (512 B rounding, 2 MiB / 20 MiB
+    segments, caching); ``allocator=None`` counts exact bytes (reserved = allocated = requested).
+    ``capacity`` (bytes or a string such as ``"8 GiB"``) is every device's total memory: an op whose
+    result would not fit raises ``torch.OutOfMemoryError`` where the modelled GPU would.
+
+    What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
+    single op, the CUDA context, NCCL buffers, memory allocated outside PyTorch's dispatcher
+    (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), ``torch.cuda.empty_cache()``
+    calls in the measured code, and backend choices that differ by device (e.g. attention kernels).
+    It models one CUDA stream. It keeps no strong reference to any tensor or storage.
+    """
+
+    def __init__(self, allocator: str | None = "cuda", capacity: int | str | None = None) -> None:
+        super().__init__()
+        if allocator not in _ALLOCATORS:
+            raise ValueError(
+                f"allocator must be 'cuda' (the CUDA caching allocator model) or None (exact bytes); "
+                f"got {allocator!r}"
+            )
+        self.allocator = allocator
+        self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
+        self._allocators: dict[torch.device, Any] = {}
+        self._live: dict[int, _StorageRef] = {}
+        self._pending: deque[_StorageRef] = deque()
+        self._flags: dict[Any, tuple[bool, bool]] = {}
+
+    # -- context management ---------------------------------------------------------------
+    def __enter__(self) -> TensorTracker:
+        super().__enter__()
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _active.remove(self)
+        super().__exit__(*exc_info)
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self._pending:
+            self._drain()
+        flags = self._flags.get(func)
+        if flags is None:
+            flags = self._flags[func] = _alias_flags(func)
+        aliases, writes = flags
+        inputs: set[int] | None = None
+        live = self._live
+        for tensor in _iter_tensors(out):
+            for storage in _storages(tensor):
+                ref = live.get(id(storage))
+                if ref is not None:
+                    if writes and ref.nbytes != storage.nbytes():
+                        self._resize(ref, storage)
+                    continue
+                if func in _FRESH_ALIASES:
+                    self._track(storage)
+                    continue
+                if aliases:
+                    if writes and func is torch.ops.aten.resize_.default:
+                        self._track(storage)  # a pre-existing storage grown here: the growth is new
+                    continue
+                if inputs is None:
+                    inputs = {
+                        id(s)
+                        for t in tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)
+                        for s in _storages(t)
+                    }
+                if id(storage) not in inputs:
+                    self._track(storage)
+        return out
+
+    def _allocator_for(self, device: torch.device) -> Any:
+        allocator = self._allocators.get(device)
+        if allocator is None:
+            allocator = self._allocators[device] = _ALLOCATORS[self.allocator](capacity=self.capacity)
+        return allocator
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        allocator = self._allocator_for(storage.device)
+        handle = allocator.malloc(nbytes) if nbytes else None
+        ref = _StorageRef(storage, self._pending.append)
+        ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
+        self._live[ref.key] = ref
+
+    def _resize(self, ref: _StorageRef, storage: torch.UntypedStorage) -> None:
+        # The CUDA allocator grows a storage by allocating the new block, copying, then freeing.
+        nbytes = storage.nbytes()
+        handle = ref.allocator.malloc(nbytes) if nbytes else None
+        if ref.handle is not None:
+            ref.allocator.free(ref.handle)
+        ref.handle, ref.nbytes = handle, nbytes
+
+    def _drain(self) -> None:
+        pending, live = self._pending, self._live
+        while pending:
+            ref = pending.popleft()
+            if live.get(ref.key) is ref:
+                del live[ref.key]
+            if ref.handle is not None:
+                ref.allocator.free(ref.handle)
+                ref.handle = None
+
+    # -- statistics ---------------------------------------------------------------------------
+    def _stats_allocator(self, device: torch.device | str | int | None) -> Any:
+        if self._pending:
+            self._drain()
+        return self._allocator_for(normalize_device(device))
+
+    def memory_stats(self, device: torch.device | str | int | None = None) -> dict[str, int]:
+        """Allocator statistics of ``device`` with the keys of ``torch.cuda.memory_stats()``.
+
+        Bytes for ``*_bytes.*`` keys, counts otherwise, as the modelled allocator would report
+        them for the storages created since the tracker was entered. ``device=None`` is the
+        default device (``torch.get_default_device()``); a device never used reads all zeros.
+        """
+        return self._stats_allocator(device).memory_stats()
+
+    def sampler(
+        self, keys: Sequence[str], device: torch.device | str | int | None = None
+    ) -> Callable[[], tuple[int, ...]]:
+        """A fast reader of ``keys`` for the line profiler (see ``MemorySource``).
+
+        Each call returns the current values of ``keys``; a ``*.peak`` key reads the highest value
+        since the previous call of the same sampler, leaving the user-visible peak untouched.
+        """
+        table_sample = self._stats_allocator(device).table.sampler(keys)
+        pending, drain = self._pending, self._drain
+
+        def sample() -> tuple[int, ...]:
+            if pending:
+                drain()
+            return table_sample()
+
+        return sample
+
+    def memory_allocated(self, device: torch.device | str | int | None = None) -> int:
+        """Bytes currently allocated to tensors on ``device`` (``allocated_bytes.all.current``)."""
+        return self.memory_stats(device)["allocated_bytes.all.current"]
+
+    def max_memory_allocated(self, device: torch.device | str | int | None = None) -> int:
+        """Peak allocated bytes on ``device`` since entry or the last peak reset."""
+        return self.memory_stats(device)["allocated_bytes.all.peak"]
+
+    def memory_reserved(self, device: torch.device | str | int | None = None) -> int:
+        """Bytes the modelled allocator holds from the device (``reserved_bytes.all.current``)."""
+        return self.memory_stats(device)["reserved_bytes.all.current"]
+
+    def max_memory_reserved(self, device: torch.device | str | int | None = None) -> int:
+        """Peak reserved bytes on ``device`` since entry or the last peak reset."""
+        return self.memory_stats(device)["reserved_bytes.all.peak"]
+
+    def reset_peak_memory_stats(self, device: torch.device | str | int | None = None) -> None:
+        """Set every ``*.peak`` of ``device`` to its current value."""
+        self._stats_allocator(device).reset_peak_memory_stats()
+
+    def reset_accumulated_memory_stats(self, device: torch.device | str | int | None = None) -> None:
+        """Zero the ``*.allocated`` / ``*.freed`` totals and event counters of ``device``."""
+        self._stats_allocator(device).reset_accumulated_memory_stats()
+
+    def empty_cache(self, device: torch.device | str | int | None = None) -> None:
+        """Release the modelled cached blocks of ``device``, as ``torch.cuda.empty_cache()`` would."""
+        self._stats_allocator(device).empty_cache()
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices on which the tracker has seen storages (or was asked about), in order."""
+        return list(self._allocators)
