@@ -1,0 +1,413 @@
+"""TensorTracker: counts what a run allocates, on any device, with the numbers a GPU would show."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.testing._internal.two_tensor import TwoTensor
+
+import memlab
+from memlab.sources.tracker import active_tracker
+
+MiB = 1024 * 1024
+
+
+def live_storages() -> dict[int, torch.UntypedStorage]:
+    """Every distinct storage reachable from a tensor that ``gc`` knows, with gradients."""
+    found: dict[int, torch.UntypedStorage] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # isinstance would touch lazy modules in gc
+            continue
+        tensors = [obj]
+        if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+            tensors.append(obj.grad)
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            found[id(storage)] = storage
+    return found
+
+
+class GroundTruth:
+    """Bytes of live storages created after construction, found by walking ``gc``."""
+
+    def __init__(self) -> None:
+        self.before = live_storages()  # held, so their ids cannot be reused
+
+    def allocated(self) -> int:
+        return sum(s.nbytes() for key, s in live_storages().items() if key not in self.before)
+
+
+# -- the published check --------------------------------------------------------------------------
+
+
+def test_linear_100_gives_the_numbers_a_gpu_shows():
+    with memlab.TensorTracker() as tracker:
+        torch.nn.Linear(100, 100)
+    stats = tracker.memory_stats()
+    assert stats["active_bytes.all.peak"] == 40960
+    assert stats["reserved_bytes.all.peak"] == 2097152
+    assert stats["requested_bytes.all.peak"] == 40400
+    assert stats["allocation.all.allocated"] == 2
+
+
+def test_stats_have_the_keys_of_torch_cuda_memory_stats():
+    with memlab.TensorTracker() as tracker:
+        torch.ones(3)
+    assert list(tracker.memory_stats()) == list(memlab.STAT_KEYS)
+
+
+# -- what counts as an allocation -----------------------------------------------------------------
+
+
+def test_exact_mode_counts_nbytes_of_new_storages():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        a = torch.empty(10, 10)
+        b = torch.empty(3, dtype=torch.float64)
+    assert tracker.memory_allocated() == 400 + 24
+    assert tracker.memory_reserved() == 424
+    assert tracker.memory_stats()["requested_bytes.all.current"] == 424
+    del a, b
+
+
+def test_views_and_in_place_results_count_zero_times():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        a = torch.zeros(10, 10)
+        views = [a.view(100), a.t(), a[2:], a.unsqueeze(0), a.detach(), *a.split(5)]
+        a.add_(1).mul_(2)
+        torch.add(a, 1, out=a)
+    assert tracker.memory_allocated() == 400
+    assert tracker.memory_stats()["allocation.all.allocated"] == 1
+    del views
+
+
+def test_tensor_literals_are_counted():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        x = torch.tensor([1.0, 2.0, 3.0])
+    assert tracker.memory_allocated() == 12
+    del x
+
+
+def test_pre_existing_storages_are_not_counted_even_when_freed():
+    before = torch.zeros(1000)
+    with memlab.TensorTracker(allocator=None) as tracker:
+        before.add_(1)
+        view = before.view(10, 100)
+        doubled = before * 2
+        del before, view
+    stats = tracker.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 4000
+    assert stats["allocated_bytes.all.freed"] == 0
+    del doubled
+
+
+def test_release_is_counted_also_after_the_block():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        a = torch.empty(256)
+    assert tracker.memory_allocated() == 1024
+    del a
+    assert tracker.memory_allocated() == 0
+    assert tracker.max_memory_allocated() == 1024
+
+
+def test_resize_grows_the_storage():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        a = torch.empty(0)
+        a.resize_(100)
+        assert tracker.memory_allocated() == 400
+        a.resize_(300)
+    stats = tracker.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 1200
+    assert stats["allocated_bytes.all.peak"] == 1600  # old and new block coexist during the copy
+    del a
+
+
+def test_resize_of_a_pre_existing_storage_counts_the_new_size():
+    a = torch.empty(0)
+    with memlab.TensorTracker(allocator=None) as tracker:
+        a.resize_(10)
+    assert tracker.memory_allocated() == 40
+    del a
+
+
+def test_wrapper_subclasses_are_flattened_to_their_storages():
+    pair = TwoTensor(torch.zeros(10), torch.zeros(10))
+    with memlab.TensorTracker(allocator=None) as tracker:
+        doubled = pair * 2
+    assert isinstance(doubled, TwoTensor)
+    assert tracker.memory_allocated() == 80
+    assert tracker.memory_stats()["allocation.all.current"] == 2
+    del doubled
+
+
+def test_backward_and_optimizer_step_are_seen():
+    model = torch.nn.Linear(10, 10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with memlab.TensorTracker(allocator=None) as tracker:
+        model(torch.ones(4, 10)).sum().backward()
+        assert tracker.memory_allocated() == 440  # weight.grad 400 B + bias.grad 40 B
+        optimizer.step()
+        assert tracker.memory_allocated() == 880  # plus one momentum buffer per parameter
+        optimizer.zero_grad(set_to_none=True)
+    assert tracker.memory_allocated() == 440
+
+
+def test_devices_are_kept_apart():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        a = torch.empty(100)
+        m = torch.empty(1000, device="meta")
+    assert tracker.memory_allocated("cpu") == 400
+    assert tracker.memory_allocated("meta") == 4000
+    assert tracker.memory_allocated(torch.device("meta")) == 4000
+    assert tracker.devices == [torch.device("cpu"), torch.device("meta")]
+    del a, m
+
+
+def test_default_device_follows_torch_device_context():
+    with memlab.TensorTracker(allocator=None) as tracker, torch.device("meta"):
+        m = torch.empty(16)
+        assert tracker.memory_allocated() == 64
+    assert tracker.memory_allocated() == 0  # cpu again
+    del m
+
+
+def test_holds_no_strong_reference_to_tensors():
+    with memlab.TensorTracker() as tracker:
+        a = torch.empty(100)
+        b = a * 2
+        alive = weakref.ref(b)
+    del a, b
+    assert alive() is None
+    assert tracker.memory_allocated() == 0
+
+
+def test_active_tracker_is_the_innermost():
+    assert active_tracker() is None
+    with memlab.TensorTracker() as outer:
+        assert active_tracker() is outer
+        with memlab.TensorTracker() as inner:
+            assert active_tracker() is inner
+        assert active_tracker() is outer
+    assert active_tracker() is None
+
+
+# -- statistics ------------------------------------------------------------------------------------
+
+
+def test_helpers_and_resets():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        a = torch.empty(1000)
+        b = torch.empty(1000)
+        del a
+    assert tracker.memory_allocated() == 4000
+    assert tracker.max_memory_allocated() == 8000
+    assert tracker.memory_reserved() == 4000
+    assert tracker.max_memory_reserved() == 8000
+    tracker.reset_peak_memory_stats()
+    assert tracker.max_memory_allocated() == 4000
+    tracker.reset_accumulated_memory_stats()
+    assert tracker.memory_stats()["allocated_bytes.all.allocated"] == 0
+    assert tracker.memory_allocated() == 4000
+    del b
+
+
+def test_sampler_reads_interval_peaks_without_touching_the_user_peak():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        sample = tracker.sampler(["allocated_bytes.all.peak", "allocated_bytes.all.current"])
+        a = torch.empty(1000)
+        del a
+        assert sample() == (4000, 0)
+        b = torch.empty(10)
+        assert sample() == (40, 40)
+        assert sample() == (40, 40)
+    assert tracker.max_memory_allocated() == 4000
+    del b
+
+
+def test_cuda_model_caches_freed_blocks():
+    with memlab.TensorTracker() as tracker:
+        a = torch.empty(1000)
+        del a
+        b = torch.empty(1000)
+    stats = tracker.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 4096
+    assert stats["reserved_bytes.all.current"] == 2 * MiB
+    assert stats["segment.all.allocated"] == 1
+    tracker.empty_cache()
+    assert tracker.memory_reserved() == 2 * MiB  # b still lives in it
+    del b
+    tracker.empty_cache()
+    assert tracker.memory_reserved() == 0
+
+
+# -- capacity --------------------------------------------------------------------------------------
+
+
+def test_capacity_raises_out_of_memory_where_the_gpu_would():
+    with memlab.TensorTracker(capacity="30 MiB") as tracker:
+        a = torch.empty(12 * MiB, dtype=torch.uint8)
+        b = torch.empty(12 * MiB, dtype=torch.uint8)
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 12\.00 MiB"):
+            torch.empty(12 * MiB, dtype=torch.uint8)
+        del a
+        c = torch.empty(12 * MiB, dtype=torch.uint8)  # fits in the cached block of a
+    stats = tracker.memory_stats()
+    assert stats["num_ooms"] == 1
+    assert stats["num_alloc_retries"] == 1
+    assert stats["reserved_bytes.all.current"] == 24 * MiB
+    del b, c
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def test_unknown_allocator_is_a_value_error():
+    with pytest.raises(ValueError, match=r"allocator must be 'cuda' .* or None .*got 'exact'"):
+        memlab.TensorTracker(allocator="exact")
+
+
+def test_capacity_must_be_a_size():
+    with pytest.raises(ValueError, match="capacity 'lots' is not a size"):
+        memlab.TensorTracker(capacity="lots")
+    with pytest.raises(TypeError, match="capacity must be an int number of bytes"):
+        memlab.TensorTracker(capacity=1.5)
+    with pytest.raises(ValueError, match="capacity must be >= 0 bytes, got -1"):
+        memlab.TensorTracker(capacity=-1)
+
+
+def test_bad_device_names_are_errors():
+    tracker = memlab.TensorTracker()
+    with pytest.raises(ValueError, match="'gpu0' is not a device; valid forms are"):
+        tracker.memory_stats("gpu0")
+    with pytest.raises(TypeError, match="device must be a torch.device"):
+        tracker.memory_stats(1.0)
+
+
+def test_unknown_stat_key_in_sampler():
+    tracker = memlab.TensorTracker()
+    with pytest.raises(ValueError, match="unknown statistic 'active.peak'; valid keys are: "):
+        tracker.sampler(["active.peak"])
+
+
+# -- ground truth ---------------------------------------------------------------------------------
+
+
+OPS = st.sampled_from(
+    ["new", "new_double", "add", "inplace", "view", "transpose", "clone", "contiguous", "cat", "sum",
+     "to_double", "resize", "literal", "drop", "drop"]
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(OPS, st.integers(0, 1000), st.integers(1, 64)), min_size=1, max_size=25))
+def test_exact_bytes_equal_live_storages_over_random_ops(program):
+    pool: list[torch.Tensor] = []
+    truth = GroundTruth()
+    with memlab.TensorTracker(allocator=None) as tracker:
+        for op, pick, n in program:
+            some = pool[pick % len(pool)] if pool else None
+            if op == "new" or some is None:
+                pool.append(torch.randn(n, 3))
+            elif op == "new_double":
+                pool.append(torch.zeros(n, dtype=torch.float64))
+            elif op == "add":
+                pool.append(some + some)
+            elif op == "inplace":
+                some.mul_(0.5)
+            elif op == "view":
+                pool.append(some.view(-1))
+            elif op == "transpose":
+                pool.append(some.t() if some.dim() == 2 else some.unsqueeze(0))
+            elif op == "clone":
+                pool.append(some.clone())
+            elif op == "contiguous":
+                pool.append(some.unsqueeze(-1).transpose(0, -1).contiguous())
+            elif op == "cat":
+                pool.append(torch.cat([some.reshape(-1), some.reshape(-1)]))
+            elif op == "sum":
+                pool.append(some.sum())
+            elif op == "to_double":
+                pool.append(some.to(torch.float64))
+            elif op == "resize":
+                pool.append(torch.empty(0).resize_(n))
+            elif op == "literal":
+                pool.append(torch.tensor([float(n)] * n))
+            elif op == "drop":
+                pool.pop(pick % len(pool))
+            del some
+            assert tracker.memory_allocated() == truth.allocated()
+    pool.clear()
+    assert tracker.memory_allocated() == 0
+
+
+def training_step(device: str, tracker: memlab.TensorTracker, checkpoints: list | None = None,
+                  optimizer_class=torch.optim.AdamW):
+    truth = GroundTruth() if checkpoints is not None else None
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        optimizer = optimizer_class(model.parameters(), lr=1e-3)
+        inputs, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+        def check():
+            if truth is not None:
+                checkpoints.append((tracker.memory_allocated(device), truth.allocated()))
+
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        del loss
+        check()
+        optimizer.step()
+        check()
+        optimizer.zero_grad(set_to_none=True)
+        check()
+    return model, optimizer
+
+
+def test_training_step_matches_live_storages_at_every_checkpoint():
+    checkpoints: list = []
+    with memlab.TensorTracker(allocator=None) as tracker:
+        model, optimizer = training_step("cpu", tracker, checkpoints)
+    assert len(checkpoints) == 3
+    for tracked, truth in checkpoints:
+        assert tracked == truth
+    params = sum(p.nbytes for p in model.parameters())
+    # after zero_grad: parameters, exp_avg, exp_avg_sq, 4-byte step counters, the batch
+    assert checkpoints[-1][0] == 3 * params + 4 * len(list(model.parameters())) + 32 * 64 * 4 + 32 * 8
+
+
+def sgd(params, lr):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+@pytest.mark.parametrize("allocator", [None, "cuda"])
+def test_meta_run_matches_cpu_run(allocator):
+    with memlab.TensorTracker(allocator=allocator) as on_cpu:
+        _kept_on_cpu = training_step("cpu", on_cpu, optimizer_class=sgd)
+    with memlab.TensorTracker(allocator=allocator) as on_meta:
+        _kept_on_meta = training_step("meta", on_meta, optimizer_class=sgd)
+    cpu, meta = on_cpu.memory_stats("cpu"), on_meta.memory_stats("meta")
+    assert cpu["allocation.all.allocated"] == 25  # 6 inputs and parameters, 6 forward, 9 backward, 4 momenta
+    for key in ("allocation.all.allocated", "allocated_bytes.all.peak", "reserved_bytes.all.peak",
+                "requested_bytes.all.peak", "segment.all.peak", "allocated_bytes.all.current"):
+        assert meta[key] == cpu[key], key
+    assert on_meta.memory_stats("cpu")["allocation.all.allocated"] == 0
+
+
+def test_meta_run_keeps_adamw_step_counters_on_cpu_like_a_gpu_run():
+    # Non-capturable AdamW keeps its `step` counters on the CPU whatever the parameters' device,
+    # on a GPU as on meta: a meta run shows exactly that split.
+    with memlab.TensorTracker(allocator=None) as on_cpu:
+        _kept_on_cpu = training_step("cpu", on_cpu)
+    with memlab.TensorTracker(allocator=None) as on_meta:
+        _kept_on_meta = training_step("meta", on_meta)
+    cpu, meta, meta_host = (on_cpu.memory_stats("cpu"), on_meta.memory_stats("meta"),
+                            on_meta.memory_stats("cpu"))
+    assert meta_host["allocated_bytes.all.current"] == 4 * 4
+    assert meta["allocation.all.allocated"] + meta_host["allocation.all.allocated"] == cpu[
+        "allocation.all.allocated"]
+    assert meta["allocated_bytes.all.peak"] + 16 == cpu["allocated_bytes.all.peak"]
