@@ -1,0 +1,221 @@
+"""Renderers of line records: text (pytorch_memlab's layout), HTML, DataFrame, JSON and CSV.
+
+Every renderer reads the same :class:`FunctionTable` list; none of them computes statistics.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from memlab._units import format_size
+from memlab.line_profiler.records import DELTA, FunctionTable
+
+__all__ = ["LineStats", "read_csv", "read_json", "to_dataframe", "write_csv", "write_json"]
+
+# Seaborn's "muted" palette, as pytorch_memlab uses for its bars.
+_COLORS = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979")
+_NEVER_RAN = "registered, but never called while profiling"
+_CODE_STYLE = "text-align: left; white-space: pre; font-family: monospace"
+_INDEX = ["function", "line"]
+_JSON_FORMAT = "memlab.line_profiler/1"
+
+
+def _is_bytes(column: str) -> bool:
+    return "bytes" in column or column == DELTA
+
+
+def _format(column: str, value: int | None) -> str:
+    if value is None:
+        return ""
+    return format_size(value) if _is_bytes(column) else str(value)
+
+
+def _header(column: str) -> tuple[str, str, str]:
+    """The three header cells (stat, pool, metric) of a column, whatever its number of parts."""
+    parts = column.split(".")
+    if len(parts) == 1:
+        return parts[0], "", ""
+    if len(parts) == 2:
+        return parts[0], "", parts[1]
+    return parts[0], ".".join(parts[1:-1]), parts[-1]
+
+
+def render_text(table: FunctionTable, columns: Sequence[str]) -> str:
+    """One function as text: ``## name``, three header rows, then one row per source line."""
+    if not table.calls:
+        return f"## {table.name}\n\n{_NEVER_RAN}\n"
+    cells = [[_format(c, None if v is None else v[c]) for c in columns] for _, _, v in table.lines]
+    headers = [_header(c) for c in columns]
+    widths = [
+        max(len(part) for part in [*headers[i], *(row[i] for row in cells)]) for i in range(len(columns))
+    ]
+    line_width = max(4, *(len(str(n)) for n, _, _ in table.lines))
+    out = []
+    for level, last in ((0, "code"), (1, ""), (2, "")):
+        head = [h[level].rjust(w) for h, w in zip(headers, widths, strict=True)]
+        out.append(" ".join([*head, ("line" if level == 0 else "").rjust(line_width)]) + "  " + last)
+    for (number, code, _), row in zip(table.lines, cells, strict=True):
+        numbers = [cell.rjust(w) for cell, w in zip(row, widths, strict=True)]
+        out.append(" ".join([*numbers, str(number).rjust(line_width)]) + "  " + code)
+    return f"## {table.name}\n\n" + "\n".join(line.rstrip() for line in out) + "\n"
+
+
+def render_html(tables: Sequence[FunctionTable], columns: Sequence[str]) -> str:
+    """All functions as HTML tables with a bar per numeric column, scaled to the column's largest
+    absolute value over the shown functions."""
+    scale = {c: 0 for c in columns}
+    for table in tables:
+        for _, _, values in table.lines:
+            if values is not None:
+                for c in columns:
+                    scale[c] = max(scale[c], abs(values[c]))
+    parts = []
+    for table in tables:
+        title = f'<h3><span style="font-family: monospace">{html.escape(table.name)}</span></h3>'
+        if not table.calls:
+            parts.append(f"{title}<p>{_NEVER_RAN}</p>")
+            continue
+        headers = [_header(c) for c in columns]
+        head = []
+        for level in range(3):
+            cells = "".join(f"<th>{html.escape(h[level])}</th>" for h in headers)
+            extra = "<th>line</th><th>code</th>" if level == 0 else "<th></th><th></th>"
+            head.append(f"<tr>{cells}{extra}</tr>")
+        body = []
+        for number, code, values in table.lines:
+            cells = []
+            for i, c in enumerate(columns):
+                value = None if values is None else values[c]
+                style = "text-align: right; font-family: monospace"
+                if value and scale[c]:
+                    width = 100 * abs(value) / scale[c]
+                    color = _COLORS[i % len(_COLORS)]
+                    stop = f"{width:.1f}%"
+                    style += f"; background: linear-gradient(90deg, {color} {stop}, transparent {stop})"
+                cells.append(f'<td style="{style}">{_format(c, value)}</td>')
+            code_cell = f'<td style="{_CODE_STYLE}">{html.escape(code)}</td>'
+            body.append(f"<tr>{''.join(cells)}<td>{number}</td>{code_cell}</tr>")
+        parts.append(
+            f'{title}<div><table><thead style="text-align: left">{"".join(head)}</thead>'
+            f"<tbody>{''.join(body)}</tbody></table></div>"
+        )
+    return "\n".join(parts)
+
+
+class LineStats:
+    """The result of ``LineProfiler.display()``: text as its ``repr``, HTML in notebooks."""
+
+    def __init__(self, tables: Sequence[FunctionTable], columns: Sequence[str]) -> None:
+        self.tables = list(tables)
+        self.columns = tuple(columns)
+
+    def __repr__(self) -> str:
+        if not self.tables:
+            return "No functions registered\n"
+        return "\n\n".join(render_text(t, self.columns) for t in self.tables)
+
+    __str__ = __repr__
+
+    def _repr_html_(self) -> str:
+        if not self.tables:
+            return "<p>No functions registered</p>"
+        return render_html(self.tables, self.columns)
+
+
+# -- tabular exports ------------------------------------------------------------------------------
+def _frame(rows: list[list[Any]], columns: Sequence[str]) -> pd.DataFrame:
+    """The public DataFrame from ``[function, line, *values, code]`` rows."""
+    index = pd.MultiIndex.from_arrays(
+        [pd.Index([r[0] for r in rows], dtype=object), pd.Index([r[1] for r in rows], dtype="int64")],
+        names=_INDEX,
+    )
+    data: dict[str, Any] = {}
+    for i, column in enumerate(columns):
+        data[column] = pd.array([r[2 + i] for r in rows], dtype="Int64")
+    data["code"] = pd.array([r[-1] for r in rows], dtype=object)
+    return pd.DataFrame(data, index=index, columns=pd.Index([*columns, "code"], dtype=object))
+
+
+def to_dataframe(tables: Sequence[FunctionTable], columns: Sequence[str]) -> pd.DataFrame:
+    """One row per source line of each function, indexed by (function, line)."""
+    rows = [
+        [t.name, number, *(None if v is None else v[c] for c in columns), code]
+        for t in tables
+        for number, code, v in t.lines
+    ]
+    return _frame(rows, columns)
+
+
+def _rows(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
+    columns = [c for c in frame.columns if c != "code"]
+    rows = []
+    for (function, line), record in zip(frame.index, frame.itertuples(index=False), strict=True):
+        values = [None if pd.isna(v) else int(v) for v in record[:-1]]
+        rows.append([function, int(line), *values, record[-1]])
+    return columns, rows
+
+
+def _write(text: str, path_or_buf: Any) -> str | None:
+    if path_or_buf is None:
+        return text
+    if hasattr(path_or_buf, "write"):
+        path_or_buf.write(text)
+    else:
+        with open(path_or_buf, "w", encoding="utf-8", newline="") as file:
+            file.write(text)
+    return None
+
+
+def _read(path_or_buf: Any) -> str:
+    if hasattr(path_or_buf, "read"):
+        return str(path_or_buf.read())
+    if isinstance(path_or_buf, (str, os.PathLike)) and os.path.exists(path_or_buf):
+        with open(path_or_buf, encoding="utf-8", newline="") as file:
+            return file.read()
+    if isinstance(path_or_buf, str):
+        return path_or_buf
+    raise TypeError(f"expected a path, a file object or the exported text, got {path_or_buf!r}")
+
+
+def write_json(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:
+    """Write a line-records DataFrame as JSON (``None`` for values of lines that never ran)."""
+    columns, rows = _rows(frame)
+    return _write(json.dumps({"format": _JSON_FORMAT, "columns": columns, "rows": rows}), path_or_buf)
+
+
+def read_json(path_or_buf: Any) -> pd.DataFrame:
+    """Read what ``LineProfiler.to_json`` wrote (a path, a file object or the JSON text) back into
+    the DataFrame ``LineProfiler.to_dataframe`` returned."""
+    data = json.loads(_read(path_or_buf))
+    if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
+        raise ValueError(f"not a memlab line profile (expected format {_JSON_FORMAT!r})")
+    return _frame(data["rows"], data["columns"])
+
+
+def write_csv(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:
+    """Write a line-records DataFrame as CSV (an empty cell where a line never ran)."""
+    columns, rows = _rows(frame)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([*_INDEX, *columns, "code"])
+    writer.writerows([["" if v is None else v for v in row] for row in rows])
+    return _write(buffer.getvalue(), path_or_buf)
+
+
+def read_csv(path_or_buf: Any) -> pd.DataFrame:
+    """Read what ``LineProfiler.to_csv`` wrote (a path, a file object or the CSV text) back into
+    the DataFrame ``LineProfiler.to_dataframe`` returned."""
+    reader = csv.reader(io.StringIO(_read(path_or_buf)))
+    header = next(reader)
+    if header[:2] != _INDEX or header[-1] != "code":
+        raise ValueError(f"not a memlab line profile CSV (expected columns {_INDEX} ... code)")
+    rows = [[r[0], int(r[1]), *(int(v) if v else None for v in r[2:-1]), r[-1]] for r in reader]
+    return _frame(rows, header[2:-1])

@@ -1,0 +1,170 @@
+"""Decorators over one process-wide profiler: ``@profile``, ``@profile_every`` and their settings.
+
+Decorating only registers code objects: nothing is traced, no CUDA is initialised and nothing is
+printed until a decorated function runs. The tracer is installed only while a decorated function
+runs, so the rest of the program keeps full speed. ``MEMLAB_PROFILE=0`` turns the decorators into
+no-ops that return the function unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, overload
+
+from memlab.line_profiler.profiler import LineProfiler, Target
+from memlab.line_profiler.records import DEFAULT_COLUMNS, validate_columns
+
+__all__ = [
+    "clear_global_line_profiler",
+    "global_line_profiler",
+    "profile",
+    "profile_every",
+    "set_target_gpu",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_OFF_VALUES = ("0", "false", "no", "off")
+
+
+class _GlobalLineProfiler(LineProfiler):
+    """The decorators' profiler: prints the ``@profile`` functions at exit once any of them ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at_exit: dict[Any, tuple[str, ...]] = {}
+        self._exit_registered = False
+
+    def enable_by_count(self) -> None:
+        if not self._exit_registered:
+            self._exit_registered = True
+            atexit.register(self.print_at_exit)
+        super().enable_by_count()
+
+    def print_at_exit(self) -> None:
+        """Print the statistics of every ``@profile`` function to ``sys.stdout``."""
+        for func, columns in self.at_exit.items():
+            self.print_stats(func, columns)
+
+
+_global: _GlobalLineProfiler | None = None
+_global_lock = threading.Lock()
+
+
+def global_line_profiler() -> LineProfiler:
+    """The profiler behind ``@profile`` and ``@profile_every`` (created on first use)."""
+    global _global
+    with _global_lock:
+        if _global is None:
+            _global = _GlobalLineProfiler()
+        return _global
+
+
+def _profiling_off() -> bool:
+    return os.environ.get("MEMLAB_PROFILE", "").strip().lower() in _OFF_VALUES
+
+
+@overload
+def profile(func: F, *, columns: str | Iterable[str] = ...) -> F: ...
+@overload
+def profile(func: None = None, *, columns: str | Iterable[str] = ...) -> Callable[[F], F]: ...
+def profile(func: Any = None, *, columns: str | Iterable[str] = DEFAULT_COLUMNS) -> Any:
+    """Profile the memory of ``func`` line by line and print the table when the interpreter exits.
+
+    Use bare (``@memlab.profile``) or with columns (``@memlab.profile(columns=(...))``) on
+    functions, methods, generators, coroutines, properties and class/static methods. Numbers are
+    those of :class:`memlab.LineProfiler` on the device set by :func:`set_target_gpu` (default 0;
+    without a GPU, the default device through a tensor tracker that models the CUDA caching
+    allocator). The exit report is registered when a profiled function first runs, and only then.
+    With ``MEMLAB_PROFILE=0`` the function is returned unchanged.
+    """
+    columns = validate_columns(columns)
+    if func is None:
+        return functools.partial(profile, columns=columns)
+    if _profiling_off():
+        return func
+    profiler = global_line_profiler()
+    assert isinstance(profiler, _GlobalLineProfiler)
+    profiler.add_function(func)
+    profiler.add_columns(columns)
+    profiler.at_exit[func] = columns
+    return profiler.wrap_callable(func)
+
+
+def profile_every(
+    output_interval: int = 1, enable: bool = True, columns: str | Iterable[str] = DEFAULT_COLUMNS
+) -> Callable[[F], F]:
+    """Profile a function line by line and print its statistics every ``output_interval`` calls.
+
+    Each report covers only the calls since the previous one and is headed with their range,
+    e.g. ``## step (calls 3-4)``; calls left over at exit are not printed. ``enable=False`` (or
+    ``MEMLAB_PROFILE=0``) returns the function unchanged, so the decorator can stay in the code.
+    Numbers are those of :class:`memlab.LineProfiler`, written to ``sys.stdout`` as it is at the
+    time of the report.
+    """
+    if isinstance(output_interval, bool) or not isinstance(output_interval, int):
+        raise TypeError(f"output_interval must be a positive int, got {output_interval!r}")
+    if output_interval < 1:
+        raise ValueError(f"output_interval must be a positive int, got {output_interval}")
+    columns = validate_columns(columns)
+
+    def decorator(func: F) -> F:
+        if not enable or _profiling_off():
+            return func
+        profiler = global_line_profiler()
+        profiler.add_function(func)
+        profiler.add_columns(columns)
+        profiled = profiler.wrap_callable(func)
+        calls = 0
+
+        def report() -> None:
+            nonlocal calls
+            calls += 1
+            if calls % output_interval:
+                return
+            stats = profiler.display(func, columns)
+            first = calls - output_interval + 1
+            for table in stats.tables:
+                table.name += f" (calls {first}-{calls})" if first != calls else f" (call {calls})"
+            sys.stdout.write(repr(stats))
+            profiler.clear(func)
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return await profiled(*args, **kwargs)
+                finally:
+                    report()
+
+            return run_async  # type: ignore[return-value]
+
+        @functools.wraps(func)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return profiled(*args, **kwargs)
+            finally:
+                report()
+
+        return run  # type: ignore[return-value]
+
+    return decorator
+
+
+def set_target_gpu(gpu_id_or_device: Target) -> None:
+    """Choose the device the decorators measure: an ``int`` GPU index, ``"cuda:1"``, ``"cpu"``,
+    ``"meta"`` or a ``torch.device``. Callable anywhere, also inside profiled code; it applies
+    from the next outermost call of a profiled function. Raises ``TypeError``/``ValueError``
+    listing the valid forms for anything else."""
+    global_line_profiler().target_gpu = gpu_id_or_device
+
+
+def clear_global_line_profiler() -> None:
+    """Forget the statistics recorded by the decorators; decorated functions stay profiled."""
+    global_line_profiler().clear()

@@ -1,0 +1,339 @@
+"""LineProfiler: which functions to trace, where the numbers come from, and access to the results.
+
+A profiler owns its registered functions, their per-line records and a memory source. Tracing is
+on while the profiler is enabled (``enable()``/``disable()``, ``with lp:``, or the wrappers returned
+by ``lp(func)``, which enable it only while the wrapped function runs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any
+
+import pandas as pd
+import torch
+from line_profiler.profiler_mixin import ByCountProfilerMixin
+
+from memlab.line_profiler import display as _display
+from memlab.line_profiler.records import (
+    DEFAULT_COLUMNS,
+    EXTRA_COLUMNS,
+    ColumnLayout,
+    LineRecords,
+    validate_columns,
+)
+from memlab.line_profiler.tracer import Tracer
+from memlab.sources.base import MemorySource
+
+__all__ = ["LineProfiler", "normalize_target"]
+
+Target = torch.device | str | int
+_TARGET_FORMS = (
+    "an int GPU index (0, 1, ...), a device string ('cuda', 'cuda:1', 'cpu', 'meta') or a torch.device"
+)
+_SOURCE_FORMS = "None or 'auto', 'cuda', 'tracker', or an object with memory_stats() and sampler()"
+
+
+def normalize_target(target: Target) -> torch.device | int:
+    """Check a ``target_gpu`` value: an ``int`` index stays an ``int``, anything else becomes a
+    ``torch.device``. Raises ``TypeError`` or ``ValueError`` naming the valid forms."""
+    if isinstance(target, bool) or not isinstance(target, (int, str, torch.device)):
+        raise TypeError(f"target_gpu must be {_TARGET_FORMS}; got {type(target).__name__} {target!r}")
+    if isinstance(target, int):
+        if target < 0:
+            raise ValueError(f"target_gpu must be {_TARGET_FORMS}; got the negative index {target}")
+        return target
+    try:
+        return torch.device(target)
+    except RuntimeError:
+        raise ValueError(f"target_gpu must be {_TARGET_FORMS}; got {target!r}") from None
+
+
+def _code_objects(func: Any) -> list[types.CodeType]:
+    """The code objects to trace for ``func`` (function, method, property, partial, class...)."""
+    if not callable(func) and not isinstance(func, (property, classmethod, staticmethod)):
+        raise TypeError(
+            "add_function() needs a Python function, method, property, partial, class or a callable "
+            f"object defined in Python; got {type(func).__name__} {func!r}, which is not callable"
+        )
+    if isinstance(func, types.FunctionType):
+        func = inspect.unwrap(func)
+    try:
+        functions = ByCountProfilerMixin.get_underlying_functions(func)
+    except TypeError as error:
+        raise TypeError(f"cannot profile {func!r}: {error}") from None
+    codes = [f.__code__ for f in functions if isinstance(f, types.FunctionType)]
+    if not codes:
+        raise TypeError(
+            f"cannot profile {func!r}: it has no Python code to trace (builtins and C extensions "
+            "have none); pass a function, method, property, partial or class defined in Python"
+        )
+    return codes
+
+
+class LineProfiler(ByCountProfilerMixin):
+    """Memory statistics of registered functions, line by line.
+
+    ``LineProfiler(*functions, target_gpu=0, source=None, columns=DEFAULT_COLUMNS)`` traces the
+    given functions while enabled. Each line's row describes the interval from the moment the line
+    starts to the moment the next line of the same frame starts (or the frame returns): ``*.peak``
+    columns are the highest value in the interval (absolute bytes, not a delta), ``*.allocated`` /
+    ``*.freed`` and event counters what happened inside it, ``*.current`` the value at its end.
+    Calls made on the line, profiled or not, are inside it. Over several executions peaks take
+    the max, sums add up and currents keep the last value; ``hits`` counts executions and
+    ``delta`` the net change of ``allocated_bytes.all.current``. The ``def`` line shows the state
+    at entry (peaks read the current value then).
+
+    ``columns`` are the statistics recorded (any key of ``torch.cuda.memory_stats()``, see
+    :data:`memlab.STAT_KEYS`); only recorded statistics can be displayed. ``source`` says where
+    the numbers come from: ``None``/``"auto"`` reads the GPU through ``CudaSource`` when
+    ``target_gpu`` names a CUDA device that exists, otherwise a :class:`memlab.TensorTracker`
+    (CUDA caching allocator model) entered while the profiler is enabled, or the tracker the user
+    already entered; ``"cuda"`` and ``"tracker"`` force one; a ``MemorySource`` is used as it is.
+    Without a GPU, an ``int`` target measures the default device (``torch.get_default_device()``).
+
+    What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
+    cannot see: kernel workspaces, the CUDA context, NCCL buffers); ops of threads other than the
+    one that entered the tracker; with ``CudaSource``, each sample resets CUDA's peak counters.
+    Several threads profiled at once share one sampling window, so their peaks mix.
+    """
+
+    def __init__(
+        self,
+        *functions: Any,
+        target_gpu: Target = 0,
+        source: str | MemorySource | None = None,
+        columns: str | Iterable[str] = DEFAULT_COLUMNS,
+    ) -> None:
+        if not (source is None or source in ("auto", "cuda", "tracker") or isinstance(source, MemorySource)):
+            raise ValueError(f"source must be {_SOURCE_FORMS}; got {source!r}")
+        self._target = normalize_target(target_gpu)
+        self.source = source
+        recorded = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
+        self._records = LineRecords(ColumnLayout(recorded or DEFAULT_COLUMNS))
+        self._wanted = self._records.layout
+        self._tracer = Tracer(self._records.functions)
+        self._lock = threading.RLock()
+        self._threads = threading.local()
+        self._sessions = 0
+        self._session_exit: Callable[[], None] | None = None
+        self._tracker: Any = None
+        for func in functions:
+            self.add_function(func)
+
+    # -- what to trace ----------------------------------------------------------------------------
+    @property
+    def target_gpu(self) -> torch.device | int:
+        """The device measured: an ``int`` CUDA index or a ``torch.device``. Setting it takes effect
+        at the next time the profiler is enabled from the disabled state."""
+        return self._target
+
+    @target_gpu.setter
+    def target_gpu(self, target: Target) -> None:
+        self._target = normalize_target(target)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The statistics recorded (plus ``hits`` and ``delta``, always available)."""
+        return self._records.layout.keys
+
+    def add_columns(self, columns: str | Iterable[str]) -> None:
+        """Record ``columns`` too, from the next time the profiler is enabled (rows recorded
+        before read 0 for them)."""
+        new = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
+        with self._lock:
+            self._wanted = ColumnLayout((*self._wanted.keys, *new))
+
+    def add_function(self, func: Any) -> None:
+        """Register ``func`` for tracing: a function, method, property, ``functools.partial``,
+        class (all its methods) or callable object defined in Python. Functions are keyed by code
+        object, so two methods with the same name and body in different classes stay separate.
+        Raises ``TypeError`` for anything without Python code."""
+        for code in _code_objects(func):
+            self._records.add(code)
+
+    @property
+    def functions(self) -> list[Callable[..., Any]]:
+        """The registered code objects' qualified names, in registration order."""
+        return [record.qualname for record in self._records.functions.values()]  # type: ignore[misc]
+
+    def __call__(self, func: Any) -> Any:
+        """Decorator: register ``func`` and return a wrapper that enables the profiler only while
+        ``func`` runs (generators and coroutines: while they run, not while suspended)."""
+        self.add_function(func)
+        return self.wrap_callable(func)
+
+    # -- enabling ---------------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """Whether a profiling session is running (in any thread)."""
+        return self._sessions > 0
+
+    def enable_by_count(self) -> None:
+        """Enable tracing in the calling thread; calls nest and :meth:`disable_by_count` undoes
+        one. The first one starts the session (memory source, thread hook)."""
+        depth = getattr(self._threads, "depth", 0)
+        if depth == 0:
+            with self._lock:
+                if self._sessions == 0:
+                    self._start_session()
+                self._sessions += 1
+            try:
+                self._threads.token = self._tracer.install()
+            except BaseException:
+                self._end_thread()
+                raise
+        self._threads.depth = depth + 1
+
+    def disable_by_count(self) -> None:
+        """Undo one :meth:`enable_by_count` of the calling thread (no-op when not enabled)."""
+        depth = getattr(self._threads, "depth", 0)
+        if depth == 0:
+            return
+        self._threads.depth = depth - 1
+        if depth == 1:
+            self._tracer.uninstall(self._threads.token)
+            self._threads.token = None
+            self._end_thread()
+
+    def _end_thread(self) -> None:
+        with self._lock:
+            self._sessions -= 1
+            if self._sessions == 0:
+                self._stop_session()
+
+    enable = enable_by_count
+    disable = disable_by_count
+
+    def __enter__(self) -> LineProfiler:
+        self.enable()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.disable()
+
+    def _start_session(self) -> None:
+        if self._wanted != self._records.layout:
+            self._records.relayout(self._wanted)
+        layout = self._records.layout
+        source, device, exit_source = self._open_source()
+        try:
+            sample = source.sampler(layout.sample_keys, device)
+            entry_sample = source.sampler(layout.entry_keys, device)
+            self._tracer.start(layout, sample, entry_sample)
+        except BaseException:
+            exit_source()
+            raise
+        self._session_exit = exit_source
+
+    def _stop_session(self) -> None:
+        self._tracer.stop()
+        exit_source, self._session_exit = self._session_exit, None
+        if exit_source is not None:
+            exit_source()
+
+    def _open_source(self) -> tuple[Any, Any, Callable[[], None]]:
+        """(source, device for its sampler, function that ends its use)."""
+        from memlab.sources.cuda import CudaSource, cuda_device_exists
+
+        target = self._target
+        device = torch.device("cuda", target) if isinstance(target, int) else target
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
+        exists = cuda_device_exists(device)
+        source = self.source
+        if source == "cuda" or ((source is None or source == "auto") and exists):
+            if not exists:
+                raise ValueError(f"source='cuda' needs a CUDA device; {device} does not exist here")
+            return CudaSource(device), device, lambda: None
+        measured = None if device.type == "cuda" and not exists else device
+        if source not in (None, "auto", "tracker"):
+            return source, measured, lambda: None
+        from memlab.sources.tracker import TensorTracker, active_tracker
+
+        tracker = active_tracker()
+        if tracker is not None:
+            return tracker, measured, lambda: None
+        if self._tracker is None:
+            self._tracker = TensorTracker()
+        tracker = self._tracker.__enter__()
+        return tracker, measured, lambda: tracker.__exit__(None, None, None)
+
+    # -- results ----------------------------------------------------------------------------------
+    def _codes(self, func: Any) -> list[types.CodeType]:
+        """Registered code objects selected by ``func``: None (all), a qualified name, a callable,
+        or a list of those."""
+        registered = self._records.functions
+        if func is None:
+            return list(registered)
+        selectors = func if isinstance(func, (list, tuple)) else [func]
+        codes: list[types.CodeType] = []
+        for selector in selectors:
+            if isinstance(selector, str):
+                found = [c for c, r in registered.items() if r.qualname == selector]
+            else:
+                found = [c for c in _code_objects(selector) if c in registered]
+            if not found:
+                names = ", ".join(r.qualname for r in registered.values()) or "none"
+                raise ValueError(f"{selector!r} is not a registered function; registered: {names}")
+            codes += [c for c in found if c not in codes]
+        return codes
+
+    def _tables(self, func: Any, columns: Sequence[str]) -> list[Any]:
+        recorded = set(self._records.layout.keys) | set(EXTRA_COLUMNS)
+        missing = [c for c in columns if c not in recorded]
+        if missing:
+            raise ValueError(
+                f"column {missing[0]!r} was not recorded; recorded columns: "
+                f"{', '.join((*EXTRA_COLUMNS, *self._records.layout.keys))}. Record more with "
+                "LineProfiler(columns=...) or @memlab.profile(columns=...)"
+            )
+        return self._records.tables(self._codes(func), columns)
+
+    def display(self, func: Any = None, columns: str | Iterable[str] = DEFAULT_COLUMNS) -> _display.LineStats:
+        """The per-line statistics of ``func`` (default: every registered function) for ``columns``,
+        as an object that prints as text (``repr``) and renders as HTML in notebooks. Byte columns
+        print as 1024-based sizes (``40.00K``); lines that never ran are blank."""
+        columns = validate_columns(columns)
+        return _display.LineStats(self._tables(func, columns), columns)
+
+    def print_stats(
+        self,
+        func: Any = None,
+        columns: str | Iterable[str] = DEFAULT_COLUMNS,
+        stream: IO[str] | None = None,
+    ) -> None:
+        """Write :meth:`display` as text to ``stream`` (``None``: ``sys.stdout`` as it is now)."""
+        text = repr(self.display(func, columns))
+        (sys.stdout if stream is None else stream).write(text)
+
+    def to_dataframe(self, func: Any = None, columns: str | Iterable[str] | None = None) -> pd.DataFrame:
+        """The records as a DataFrame indexed by (``function``, ``line``), one row per source line.
+
+        Columns: ``hits`` then the statistics (default: all recorded, then ``delta``), in bytes for
+        ``*_bytes.*`` keys and counts otherwise, as nullable integers (``<NA>`` where a line never
+        ran), then ``code``.
+        """
+        columns = self._all_columns() if columns is None else validate_columns(columns)
+        return _display.to_dataframe(self._tables(func, columns), columns)
+
+    def to_json(self, path_or_buf: Any = None, func: Any = None, columns: Any = None) -> str | None:
+        """:meth:`to_dataframe` as JSON (returned as a string when ``path_or_buf`` is None);
+        :func:`memlab.line_profiler.read_json` reads it back into the same DataFrame."""
+        return _display.write_json(self.to_dataframe(func, columns), path_or_buf)
+
+    def to_csv(self, path_or_buf: Any = None, func: Any = None, columns: Any = None) -> str | None:
+        """:meth:`to_dataframe` as CSV (returned as a string when ``path_or_buf`` is None);
+        :func:`memlab.line_profiler.read_csv` reads it back into the same DataFrame."""
+        return _display.write_csv(self.to_dataframe(func, columns), path_or_buf)
+
+    def _all_columns(self) -> tuple[str, ...]:
+        return ("hits", *self._records.layout.keys, "delta")
+
+    def clear(self, func: Any = None) -> None:
+        """Forget the recorded rows of ``func`` (default: all); functions stay registered."""
+        self._records.clear(None if func is None else self._codes(func))

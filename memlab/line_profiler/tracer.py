@@ -1,0 +1,228 @@
+"""The trace functions: line events of registered code objects turned into per-line aggregates.
+
+``sys.settrace`` gets a *global* trace function that is called once per new frame and returns a
+*local* tracer only for registered code objects; every other frame gets no line events. A trace
+function that was installed before (a debugger, coverage, another profiler) is chained: it is
+called for every frame, memlab's or not, and for frames memlab traces its local tracer is called
+after memlab's own work. State lives in the local tracer (one closure per frame), so recursion,
+generators and coroutines are per frame.
+
+The local tracer runs on every line event, so it is generated for the column layout with the
+updates unrolled: one sampler call, a few comparisons and list stores per event.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+from memlab.line_profiler.records import ENTRY, ColumnLayout, FunctionRecord
+
+__all__ = ["Tracer"]
+
+TraceFunction = Callable[[FrameType, str, Any], Any]
+Sampler = Callable[[], tuple[int, ...]]
+
+
+def _local_factory_source(layout: ColumnLayout) -> str:
+    """Python source of ``make_local(...)`` specialised for ``layout`` (see :func:`_local_factory`)."""
+    n_peaks, n_sums, n_currents = len(layout.peaks), len(layout.sums), len(layout.currents)
+    peaks = range(n_peaks)
+    delta_row = layout.row_length - 1
+    d = layout.delta_index
+    body = [f"p{i} = w[{i}]" for i in peaks]
+    if n_peaks:
+        body += ["b = box[0]", "if b is not None:", "    box[0] = None"]
+        body += [f"    if b[{i}] > p{i}: p{i} = b[{i}]" for i in peaks]
+        body += [f"if p{i} > row[{1 + i}]: row[{1 + i}] = p{i}" for i in peaks]
+    body += [f"row[{1 + i}] += w[{i}] - start[{i}]" for i in range(n_peaks, n_peaks + n_sums)]
+    body += [f"row[{1 + i}] = w[{i}]" for i in range(n_peaks + n_sums, n_peaks + n_sums + n_currents)]
+    body += [f"row[{delta_row}] += w[{d}] - start[{d}]"]
+    if n_peaks:
+        body += ["if parent_box is not None:", "    if life is None:"]
+        body += [f"        life = [{', '.join(f'p{i}' for i in peaks)}]", "    else:"]
+        body += [f"        if p{i} > life[{i}]: life[{i}] = p{i}" for i in peaks]
+    body += [
+        'if event == "line":',
+        "    line = frame.f_lineno",
+        "    row = rows.get(line)",
+        "    if row is None:",
+        "        row = rows[line] = new_row()",
+        "    row[0] += 1",
+        "    start = w",
+    ]
+    if n_peaks:
+        body += ["elif life is not None:", "    pb = parent_box[0]", "    if pb is None:"]
+        body += ["        parent_box[0] = life", "    else:"]
+        body += [f"        if life[{i}] > pb[{i}]: pb[{i}] = life[{i}]" for i in peaks]
+        body += ["    life = None"]
+    event_body = "\n".join("            " + line for line in body)
+    return f"""
+def make_local(rows, new_row, sample, row, start, parent_box, other, owner):
+    box = [None]
+    life = None
+    line = None
+
+    def local(frame, event, arg):
+        nonlocal line, row, start, parent_box, other, life
+        if event == "line" or event == "return":
+            w = sample()
+{event_body}
+        if other is not None:
+            other = other(frame, event, arg)
+        return local
+
+    def resume(sample_, start_, parent_box_, other_):
+        nonlocal sample, start, parent_box, other, life
+        sample, start, parent_box, other, life = sample_, start_, parent_box_, other_, None
+
+    local.memlab_owner = owner
+    local.memlab_box = box
+    local.memlab_rows = rows
+    local.memlab_resume = resume
+    return local
+"""
+
+
+def _local_factory(layout: ColumnLayout) -> Callable[..., TraceFunction]:
+    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner)``.
+
+    It returns the local tracer of one frame. On a ``line`` or ``return`` event the tracer samples
+    the source once and closes the interval of the current line into ``row``: peaks (folded with
+    those of profiled callees, posted to ``box``) take the max, sums add the difference of running
+    totals since ``start``, currents take the value at the end; a ``line`` event then opens the
+    next line's interval and counts a hit. At ``return`` (also a ``yield``) the frame posts the
+    highest peaks of its life to ``parent_box``, the box of the nearest profiled caller, since
+    everything this frame did happened inside the caller's line. ``other`` is a chained tool's
+    local tracer for the same frame, called after memlab's work.
+    """
+    namespace: dict[str, Any] = {}
+    exec(compile(_local_factory_source(layout), f"<memlab local tracer {layout.keys}>", "exec"), namespace)
+    return namespace["make_local"]
+
+
+class Tracer:
+    """Installs memlab's trace functions and turns line events into :class:`LineRecords` rows.
+
+    ``functions`` maps each registered code object to its record; the tracer reads it at every
+    new frame, so functions registered while tracing are picked up at their next call.
+    """
+
+    def __init__(self, functions: dict[CodeType, FunctionRecord]) -> None:
+        self.functions = functions
+        self.sample: Sampler | None = None
+        self.entry_sample: Sampler | None = None
+        self._layout: ColumnLayout | None = None
+        self._make_local: Callable[..., TraceFunction] | None = None
+        self._thread_hook: TraceFunction | None = None
+        self._thread_hook_live: list[bool] = [False]
+        self._previous_thread_hook: TraceFunction | None = None
+        self._owner = object()  # marks this tracer's local tracers (several profilers may chain)
+
+    # -- session ------------------------------------------------------------------------------
+    def start(self, layout: ColumnLayout, sample: Sampler, entry_sample: Sampler) -> None:
+        """Begin a session: read ``sample`` at line events and ``entry_sample`` (the current values
+        behind the peak columns) at calls; trace threads started from now on."""
+        if layout != self._layout:
+            self._layout, self._make_local = layout, _local_factory(layout)
+        self.sample, self.entry_sample = sample, entry_sample
+        self._previous_thread_hook = threading.gettrace()
+        self._thread_hook_live = [True]
+        self._thread_hook = self._global_trace(self._previous_thread_hook, self._thread_hook_live, True)
+        threading.settrace(self._thread_hook)
+
+    def stop(self) -> None:
+        """End the session: threads started from now on are not traced, and threads still running
+        with memlab's trace function hand it back to what they had at their start."""
+        self._thread_hook_live[0] = False
+        if threading.gettrace() is self._thread_hook:
+            threading.settrace(self._previous_thread_hook)  # type: ignore[arg-type]
+        self._thread_hook = None
+
+    # -- one thread -----------------------------------------------------------------------------
+    def install(self) -> tuple[TraceFunction, TraceFunction | None, list[bool]] | None:
+        """Install the global trace function in the calling thread, chaining what was there.
+
+        Returns a token for :meth:`uninstall`, or ``None`` if this tracer already traces the
+        thread (a thread started while a session was running).
+        """
+        previous = sys.gettrace()
+        if getattr(previous, "memlab_owner", None) is self._owner:
+            return None
+        live = [True]
+        trace = self._global_trace(previous, live, False)
+        sys.settrace(trace)
+        return trace, previous, live
+
+    def uninstall(self, token: tuple[TraceFunction, TraceFunction | None, list[bool]] | None) -> None:
+        """Undo :meth:`install`: the previous trace function is back, unless another tool replaced
+        memlab's meanwhile; then memlab's stays where it is and forwards everything to the tool it
+        chained, so no other tool is switched off."""
+        if token is None:
+            return
+        trace, previous, live = token
+        live[0] = False
+        current = sys.gettrace()
+        if current is trace or current is None:
+            sys.settrace(previous)
+
+    # -- trace functions ------------------------------------------------------------------------
+    def _global_trace(
+        self, previous: TraceFunction | None, live: list[bool], thread_hook: bool
+    ) -> TraceFunction:
+        functions = self.functions
+        enter = self._enter
+
+        def trace(frame: FrameType, event: str, arg: Any) -> Any:
+            if live[0]:
+                record = functions.get(frame.f_code)
+                if record is not None:
+                    other = previous(frame, event, arg) if previous is not None else None
+                    return enter(frame, record, other)
+            elif thread_hook and sys.gettrace() is trace:
+                sys.settrace(previous)
+            return previous(frame, event, arg) if previous is not None else None
+
+        trace.memlab_owner = self._owner  # type: ignore[attr-defined]
+        return trace
+
+    def _parent_box(self, frame: FrameType) -> list[Any] | None:
+        owner = self._owner
+        caller = frame.f_back
+        while caller is not None:
+            local = caller.f_trace
+            if local is not None and getattr(local, "memlab_owner", None) is owner:
+                return local.memlab_box  # type: ignore[attr-defined,no-any-return]
+            caller = caller.f_back
+        return None
+
+    def _enter(self, frame: FrameType, record: FunctionRecord, other: TraceFunction | None) -> TraceFunction:
+        """A call of (or a resumption into) a registered code object."""
+        sample, layout = self.sample, self._layout
+        assert sample is not None and layout is not None and self._make_local is not None
+        parent_box = self._parent_box(frame)
+        start = sample()
+        if parent_box is not None and layout.peaks:
+            # The time since the caller's last event, up to this call, is inside the caller's line.
+            box = parent_box[0]
+            if box is None:
+                parent_box[0] = list(start[: len(layout.peaks)])
+            else:
+                for i, value in enumerate(start[: len(layout.peaks)]):
+                    if value > box[i]:
+                        box[i] = value
+        rows = record.rows
+        local = frame.f_trace
+        if getattr(local, "memlab_owner", None) is self._owner and local.memlab_rows is rows:  # type: ignore[union-attr]
+            local.memlab_resume(sample, start, parent_box, other)  # type: ignore[union-attr]
+            return local  # type: ignore[return-value]
+        entry = rows.get(ENTRY)
+        if entry is None:
+            entry = rows[ENTRY] = layout.new_row()
+        assert self.entry_sample is not None
+        layout.entry_row_update(entry, start, self.entry_sample())
+        scratch = layout.new_row()  # the moment between the call and the first line belongs to no row
+        return self._make_local(rows, layout.new_row, sample, scratch, start, parent_box, other, self._owner)
