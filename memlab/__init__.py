@@ -5,11 +5,25 @@ Importing memlab has no side effects: it does not initialise CUDA, install a tra
 
 from __future__ import annotations
 
+from memlab.line_profiler import (
+    DEFAULT_COLUMNS,
+    LineProfiler,
+    clear_global_line_profiler,
+    profile,
+    profile_every,
+    set_target_gpu,
+)
 from memlab.sources.stats import STAT_KEYS
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_COLUMNS",
     "STAT_KEYS",
+    "LineProfiler",
     "__version__",
+    "clear_global_line_profiler",
+    "profile",
+    "profile_every",
+    "set_target_gpu",
 ]
