@@ -1,0 +1,340 @@
+"""Courtesy: park every tensor of a device in host memory or on disk, and bring it back bit-exact.
+
+Tensors are moved in place (the same Python objects are re-pointed at new storages), one storage at
+a time, so views stay views and code that holds the tensors keeps working after :meth:`Courtesy.restore`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = ["Courtesy"]
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_VALID_DEVICES = "'cuda', 'cuda:1', an int CUDA index, 'cpu', or another accelerator such as 'xpu' / 'mps'"
+
+
+@dataclass
+class _View:
+    """Where one tensor sat in a moved storage."""
+
+    tensor: weakref.ref[torch.Tensor]
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class _MovedStorage:
+    """One storage taken off the device: its bytes (in ``host`` or ``path``) and every view of it."""
+
+    device: torch.device
+    nbytes: int
+    views: list[_View]
+    host: weakref.ref[torch.UntypedStorage] | None = None
+    path: Path | None = None
+    restored: torch.UntypedStorage | None = field(default=None, repr=False)
+
+
+class Courtesy:
+    """Give a device's memory back to others for a while, then take it back.
+
+    ``yield_memory()`` moves every tensor on ``device`` that ``gc`` can reach (parameters, their
+    ``.grad``, buffers, optimizer state, plain tensors, and the bases of views) off the device, in
+    place: the tensors stay the same Python objects, each storage is copied once and every tensor
+    on it is re-pointed at the copy with its own offset, sizes and strides, so views stay views.
+    On CUDA it then calls ``torch.cuda.empty_cache()``.
+
+    ``offload="cpu"`` keeps the bytes in host memory (the tensors live on the CPU meanwhile).
+    ``offload=<directory>`` writes each storage to a file there (raw bytes) and leaves shape-only
+    placeholders: the tensors keep their ``shape`` and ``dtype`` but sit on the CPU over one shared
+    element per dtype (stride 0, NaN for floating types), so they free host memory too; reading
+    them gives NaN or 0 and writing to them raises. ``Courtesy(device="cpu", offload=directory)``
+    frees host memory and is the path testable without a GPU.
+
+    ``restore()`` brings every moved storage back to the device it came from, bit-exact, and
+    re-points the tensors at it. It does nothing without a yield; if it fails part-way (a missing
+    file, an out-of-memory error) nothing is lost and calling it again finishes the job. A second
+    ``yield_memory()`` before ``restore()`` only moves tensors that appeared on the device since.
+    Tensors dropped by their users meanwhile are not restored; a tensor whose storage the user
+    replaced meanwhile is left as the user made it.
+
+    What it cannot move: memory held by C++ rather than by tensors ``gc`` sees (autograd graphs still
+    alive, their saved tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context); a storage
+    shared with such a tensor stays allocated on the device. Sparse tensors and wrapper subclasses
+    are left in place (``skipped`` counts them); a subclass's inner tensors are moved if ``gc`` sees
+    them. Use it between steps, not while an autograd graph is alive.
+    """
+
+    def __init__(
+        self, device: torch.device | str | int = "cuda", offload: str | os.PathLike[str] = "cpu"
+    ) -> None:
+        self.device = _parse_device(device)
+        self.offload: str | Path = _parse_offload(offload)
+        if self.offload == "cpu" and self.device.type == "cpu":
+            raise ValueError(
+                "Courtesy(device='cpu', offload='cpu') would move host memory to host memory; "
+                "pass a directory as offload to free host memory"
+            )
+        self.skipped = 0
+        self._moved: list[_MovedStorage] = []
+        self._workdir: Path | None = None
+        self._placeholders: dict[torch.dtype, torch.UntypedStorage] = {}
+        self._serial = 0
+
+    def __repr__(self) -> str:
+        device, offload = str(self.device), str(self.offload)
+        return f"Courtesy(device={device!r}, offload={offload!r}, yielded_bytes={self.yielded_bytes})"
+
+    @property
+    def yielded_bytes(self) -> int:
+        """Bytes of device storages currently moved off the device and not yet restored."""
+        return sum(moved.nbytes for moved in self._moved)
+
+    def __enter__(self) -> Courtesy:
+        self.yield_memory()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.restore()
+
+    def yield_memory(self) -> int:
+        """Move every reachable tensor on the device off it; return the storage bytes moved now.
+
+        Bytes are the exact ``nbytes`` of the moved storages (the device's allocator may have held
+        up to 511 B more per storage, and its cache, which is emptied on CUDA). If it fails
+        part-way, what was moved stays recorded: call it again to continue, or :meth:`restore`.
+        """
+        storages = self._device_storages()
+        moved_now = 0
+        while storages:
+            _, (storage, tensors) = storages.popitem()
+            moved = self._move_out(storage, tensors)
+            del storage, tensors
+            if moved is not None:
+                moved_now += moved.nbytes
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        return moved_now
+
+    def restore(self) -> int:
+        """Bring every moved storage back to its device, bit-exact; return the bytes restored.
+
+        Each storage is copied back once and all its live tensors are re-pointed at it with their
+        original offsets, sizes and strides. Without a preceding yield it does nothing and returns
+        0. On failure the storages not yet restored stay recorded; calling it again resumes.
+        """
+        restored = 0
+        while self._moved:
+            moved = self._moved[0]
+            live = self._live_views(moved)
+            if live and moved.restored is None:
+                moved.restored = self._read_back(moved)
+            for tensor, view in live:
+                tensor.data = _view_of(moved.restored, view)
+            if live:
+                restored += moved.nbytes
+            del live
+            if moved.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    moved.path.unlink()
+            self._moved.pop(0)
+        if self._workdir is not None:
+            with contextlib.suppress(OSError):
+                self._workdir.rmdir()
+            self._workdir = None
+        return restored
+
+    # -- yield ---------------------------------------------------------------------------------
+    def _device_storages(self) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
+        """Reachable tensors on the device, grouped by storage (``id`` of the storage object)."""
+        placeholders = {id(storage) for storage in self._placeholders.values()}
+        groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+        self.skipped = 0
+        for tensor in _reachable_tensors():
+            if not _on(tensor.device, self.device):
+                continue
+            if type(tensor) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(tensor):
+                self.skipped += 1
+                continue
+            if tensor.layout is not torch.strided or tensor.is_nested:
+                self.skipped += 1
+                continue
+            storage = tensor.untyped_storage()
+            if id(storage) in placeholders or storage.nbytes() == 0:
+                continue
+            groups.setdefault(id(storage), (storage, []))[1].append(tensor)
+        return groups
+
+    def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> _MovedStorage | None:
+        views = [
+            _View(weakref.ref(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
+            for t in tensors
+        ]
+        moved = _MovedStorage(storage.device, storage.nbytes(), views)
+        if self.offload == "cpu":
+            host = torch.empty(moved.nbytes, dtype=torch.uint8, device="cpu")
+            host.copy_(_bytes_of(storage))
+            moved.host = weakref.ref(host.untyped_storage())
+            self._moved.append(moved)
+            for tensor, view in zip(tensors, views, strict=True):
+                tensor.data = _view_of(host.untyped_storage(), view)
+            return moved
+        moved.path = self._write(storage)
+        self._moved.append(moved)
+        for tensor, view in zip(tensors, views, strict=True):
+            tensor.data = self._placeholder(view)
+        return moved
+
+    def _write(self, storage: torch.UntypedStorage) -> Path:
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="memlab-courtesy-", dir=self.offload))
+        path = self._workdir / f"storage-{self._serial:06d}.bin"
+        self._serial += 1
+        data = _bytes_of(storage)
+        if data.device.type != "cpu":
+            data = data.cpu()
+        try:
+            with open(path, "wb") as file:
+                file.write(memoryview(data.numpy()))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        return path
+
+    def _placeholder(self, view: _View) -> torch.Tensor:
+        """A CPU tensor with the view's shape and dtype over one shared element (stride 0)."""
+        storage = self._placeholders.get(view.dtype)
+        if storage is None:
+            # Built outside the dispatcher: a tracker sees no allocation for the placeholders.
+            storage = torch.UntypedStorage(view.dtype.itemsize)
+            element = torch.empty(0, dtype=view.dtype).set_(storage, 0, (1,), (1,))
+            element.fill_(float("nan") if view.dtype.is_floating_point or view.dtype.is_complex else 0)
+            self._placeholders[view.dtype] = storage
+        return torch.empty(0, dtype=view.dtype).set_(storage, 0, view.size, (0,) * len(view.size))
+
+    # -- restore -------------------------------------------------------------------------------
+    def _live_views(self, moved: _MovedStorage) -> list[tuple[torch.Tensor, _View]]:
+        """Tensors of ``moved`` that are alive and still sit where the yield (or a restore) put them."""
+        ours = set()
+        host = None if moved.host is None else moved.host()
+        for storage in (host, moved.restored, *self._placeholders.values()):
+            if storage is not None:
+                ours.add(id(storage))
+        live = []
+        for view in moved.views:
+            tensor = view.tensor()
+            if tensor is not None and id(tensor.untyped_storage()) in ours:
+                live.append((tensor, view))
+        return live
+
+    def _read_back(self, moved: _MovedStorage) -> torch.UntypedStorage:
+        """A new storage on the original device holding the moved bytes."""
+        if moved.path is None:
+            host = None if moved.host is None else moved.host()
+            if host is None:
+                raise RuntimeError("the host copy of a moved storage is gone although tensors still use it")
+            buffer = torch.empty(moved.nbytes, dtype=torch.uint8, device=moved.device)
+            buffer.copy_(_bytes_of(host))
+            return buffer.untyped_storage()
+        staging = torch.empty(moved.nbytes, dtype=torch.uint8, device="cpu")
+        with open(moved.path, "rb") as file:
+            read = file.readinto(memoryview(staging.numpy()))
+        if read != moved.nbytes:
+            raise OSError(f"{moved.path} holds {read} bytes, expected {moved.nbytes}; the file was changed")
+        if moved.device.type != "cpu":
+            staging = staging.to(moved.device)
+        return staging.untyped_storage()
+
+
+def _reachable_tensors() -> list[torch.Tensor]:
+    """Tensors ``gc`` tracks, plus the ``.grad`` of leaves and the ``._base`` of views."""
+    found: dict[int, torch.Tensor] = {}
+    tensor_types: dict[type, bool] = {}
+    objects = gc.get_objects()
+    stack = []
+    for obj in objects:
+        kind = type(obj)
+        is_tensor = tensor_types.get(kind)
+        if is_tensor is None:
+            is_tensor = tensor_types[kind] = issubclass(kind, torch.Tensor)
+        if is_tensor:
+            stack.append(obj)
+    del objects
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in found:
+            continue
+        found[id(tensor)] = tensor
+        if tensor.requires_grad and tensor.is_leaf and tensor.grad is not None:
+            stack.append(tensor.grad)
+        if tensor._is_view() and tensor._base is not None:
+            stack.append(tensor._base)
+    return list(found.values())
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _view_of(storage: torch.UntypedStorage, view: _View) -> torch.Tensor:
+    return torch.empty(0, dtype=view.dtype, device=storage.device).set_(
+        storage, view.offset, view.size, view.stride
+    )
+
+
+def _on(device: torch.device, wanted: torch.device) -> bool:
+    return device.type == wanted.type and (wanted.index is None or device.index == wanted.index)
+
+
+def _parse_device(device: Any) -> torch.device:
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"device must be a torch.device, a string or an int; got {type(device).__name__} {device!r}"
+        )
+    try:
+        parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"unknown device {device!r}; valid: {_VALID_DEVICES}") from error
+    if parsed.type == "meta":
+        raise ValueError(f"device 'meta' holds no memory to yield; valid: {_VALID_DEVICES}")
+    return parsed
+
+
+def _parse_offload(offload: Any) -> str | Path:
+    if isinstance(offload, torch.device):
+        offload = str(offload)
+    if not isinstance(offload, (str, os.PathLike)):
+        raise TypeError(
+            f"offload must be 'cpu' or the path of a directory; got {type(offload).__name__} {offload!r}"
+        )
+    if offload in ("cpu", "cpu:0"):
+        return "cpu"
+    path = Path(offload)
+    if path.is_dir():
+        return path
+    if isinstance(offload, str) and _is_device_string(offload):
+        raise ValueError(
+            f"offload={offload!r}: tensors can only be offloaded to 'cpu' or to files in a directory"
+        )
+    raise ValueError(f"offload={str(offload)!r} is neither 'cpu' nor an existing directory; create it first")
+
+
+def _is_device_string(text: str) -> bool:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,348 @@
+"""MemReporter: name every tensor ``gc`` can reach and say how much memory its storage takes.
+
+Tensors are found by walking ``gc``, named from a model and optimizers, grouped by storage identity
+and counted once per storage. The records and their renderers live in :mod:`memlab.reporter_snapshot`.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol, TextIO
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from memlab.reporter_snapshot import MemorySnapshot, SnapshotDiff, TensorRecord
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["AllocatedMemorySource", "MemReporter", "cuda_block_bytes"]
+
+_CUDA_MIN_BLOCK = 512
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class AllocatedMemorySource(Protocol):
+    """Anything that knows the bytes allocated on a device (e.g. :class:`memlab.TensorTracker`)."""
+
+    def memory_allocated(self, device: torch.device | str | int | None = None) -> int: ...
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator hands out for a ``nbytes`` storage.
+
+    Requests round up to a multiple of 512 B (so 1..512 B take 512 B); an empty storage takes
+    nothing. Whole-block hand-outs and ``roundup_power2_divisions`` are not modelled here.
+    """
+    return -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+
+
+class MemReporter:
+    """Report the tensors ``gc`` can reach, per device, each storage counted once.
+
+    ``model`` (an ``nn.Module``, optional) names parameters and buffers (tied weights as
+    ``enc.weight+dec.weight``) and their gradients (``weight.grad``); :meth:`add_optimizer` names
+    optimizer state (``AdamW.0.weight.exp_avg``). Other tensors are ``Tensor0``, ``Tensor1``, … (a
+    subclass shows its class name, e.g. ``Parameter3``); a tensor keeps its number for as long as it
+    lives, so reports and snapshots over time can be compared. The reporter keeps only weak
+    references to the model, the optimizers and tensors.
+
+    ``pre_collect=True`` runs ``gc.collect()`` before each walk so that tensors only kept alive by
+    unreachable reference cycles are freed rather than reported.
+
+    Bytes are each storage's ``nbytes``: exact on ``cpu`` and ``meta`` (where nothing is
+    allocated), rounded up to the CUDA allocator's 512 B blocks on CUDA devices. What it cannot see:
+    tensors without a Python object that ``gc`` tracks, in particular autograd's saved tensors,
+    buffers held by C++ (cuDNN/cuBLAS workspaces, NCCL, C++ extensions), the CUDA context, and the
+    allocator's cached but unused memory. The ``allocated memory`` line, where a memory source knows
+    it, shows the difference.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, pre_collect: bool = False) -> None:
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be a torch.nn.Module or None, got {type(model).__name__} {model!r:.80}"
+            )
+        self._model = None if model is None else weakref.ref(model)
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self.pre_collect = bool(pre_collect)
+        self._anonymous: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
+        self._next_number = 0
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Name ``optimizer``'s state as ``<Optimizer>.<param>.<key>``, e.g. ``AdamW.0.weight.exp_avg``.
+
+        ``<param>`` is the parameter's name in the model, or its index in the optimizer's
+        ``state_dict()`` when the reporter has no model or the model does not hold it.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW), "
+                f"got {type(optimizer).__name__} {optimizer!r:.80}"
+            )
+        if all(ref() is not optimizer for ref in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))
+
+    def report(
+        self,
+        verbose: bool = False,
+        device: torch.device | str | int | None = None,
+        stream: TextIO | None = None,
+        source: AllocatedMemorySource | None = None,
+    ) -> None:
+        """Print the tensors on each device (or only ``device``) with their storage bytes.
+
+        Layout as pytorch_memlab's: ``Element type / Size / Used MEM``, a ``Storage on <device>``
+        block per device, ``Total Tensors`` (elements in the counted storages) and ``Used Memory``,
+        then ``The allocated memory on <device>`` where a memory source knows it: ``source`` if
+        given, else ``torch.cuda`` on CUDA devices and the active :class:`memlab.TensorTracker`
+        elsewhere, with one line explaining a difference. ``verbose=True`` also lists tensors
+        sharing another's storage as ``name(->owner)`` with ``0.00B``. Writes to ``stream``
+        (default ``sys.stdout`` at call time). No reference to any tensor is kept afterwards.
+        """
+        self.snapshot(source=source).report(verbose=verbose, device=_device_filter(device), stream=stream)
+
+    def to_dataframe(
+        self, verbose: bool = False, device: torch.device | str | int | None = None
+    ) -> pd.DataFrame:
+        """The rows :meth:`report` would print, as a DataFrame (see :meth:`MemorySnapshot.to_dataframe`)."""
+        return self.snapshot().to_dataframe(verbose=verbose, device=_device_filter(device))
+
+    def snapshot(self, source: AllocatedMemorySource | None = None) -> MemorySnapshot:
+        """Record every reachable tensor now, as plain data; see :meth:`report` for what it can see."""
+        records = self._collect()
+        return MemorySnapshot(tuple(records), _allocated(records, source))
+
+    def diff(self, before: MemorySnapshot, after: MemorySnapshot | None = None) -> SnapshotDiff:
+        """What appeared, disappeared, grew or shrank from ``before`` to ``after`` (default: now)."""
+        return SnapshotDiff.between(before, self.snapshot() if after is None else after)
+
+    # -- collection --------------------------------------------------------------------------
+    def _collect(self) -> list[TensorRecord]:
+        if self.pre_collect:
+            gc.collect()
+        named: dict[int, tuple[torch.Tensor, str, str]] = {}
+        self._name_model_tensors(named)
+        self._name_optimizer_state(named)
+        found = _reachable_tensors()
+        ordered = list(named.values())
+        anonymous = []
+        for tensor in found:
+            if id(tensor) not in named:
+                named[id(tensor)] = (tensor, "", "")
+                anonymous.append(tensor)
+        del found
+        grads = _gradients([t for t, _, _ in ordered] + anonymous)
+        grad_ids = {id(grad) for grad in grads.values()}
+        ordered += self._name_anonymous([t for t in anonymous if id(t) not in grad_ids])
+        with_grads = []
+        for tensor, name, category in ordered:
+            with_grads.append((tensor, name, category))
+            grad = grads.get(id(tensor))
+            if grad is not None:
+                with_grads.append((grad, f"{name}.grad", "gradient"))
+        del named, ordered, anonymous, grads
+        return _records(with_grads)
+
+    def _name_model_tensors(self, named: dict[int, tuple[torch.Tensor, str, str]]) -> None:
+        model = None if self._model is None else self._model()
+        if model is None:
+            return
+        for category, items in (
+            ("parameter", model.named_parameters(remove_duplicate=False)),
+            ("buffer", model.named_buffers(remove_duplicate=False)),
+        ):
+            for name, tensor in items:
+                entry = named.get(id(tensor))
+                joined = name if entry is None else f"{entry[1]}+{name}"
+                named[id(tensor)] = (tensor, joined, category)
+
+    def _name_optimizer_state(self, named: dict[int, tuple[torch.Tensor, str, str]]) -> None:
+        labels: dict[str, int] = {}
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            label = type(optimizer).__name__
+            labels[label] = labels.get(label, 0) + 1
+            if labels[label] > 1:
+                label = f"{label}[{labels[label] - 1}]"
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index, param in enumerate(params):
+                owner = named.get(id(param))
+                param_name = owner[1] if owner is not None and owner[2] == "parameter" else str(index)
+                for key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and id(value) not in named:
+                        named[id(value)] = (value, f"{label}.{param_name}.{key}", "optimizer state")
+
+    def _name_anonymous(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, str]]:
+        previous, current = self._anonymous, {}
+        numbered = []
+        for tensor in tensors:
+            entry = previous.get(id(tensor))
+            if entry is None or entry[0]() is not tensor:
+                entry = (
+                    weakref.ref(tensor),
+                    self._next_number,
+                    f"{type(tensor).__name__}{self._next_number}",
+                )
+                self._next_number += 1
+            current[id(tensor)] = entry
+            numbered.append((entry[1], entry[2], tensor))
+        self._anonymous = current
+        numbered.sort(key=lambda item: item[0])
+        parameter = torch.nn.Parameter
+        return [(t, name, "parameter" if isinstance(t, parameter) else "other") for _, name, t in numbered]
+
+
+def _reachable_tensors() -> list[torch.Tensor]:
+    """Every tensor object ``gc`` tracks (weak proxies are skipped: they are not tensors)."""
+    tensor_types: dict[type, bool] = {}
+    found = []
+    objects = gc.get_objects()
+    for obj in objects:
+        kind = type(obj)
+        is_tensor = tensor_types.get(kind)
+        if is_tensor is None:
+            is_tensor = tensor_types[kind] = issubclass(kind, torch.Tensor)
+        if is_tensor:
+            found.append(obj)
+    del objects
+    return found
+
+
+def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``id(owner) -> grad`` for every leaf tensor with a ``.grad``; each gradient listed once."""
+    grads: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    for tensor in tensors:
+        if tensor.requires_grad and tensor.is_leaf:
+            grad = tensor.grad
+            if grad is not None and id(grad) not in seen:
+                seen.add(id(grad))
+                grads[id(tensor)] = grad
+    return grads
+
+
+def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
+    """The storage-holding tensors behind ``tensor``: itself, or a sparse / wrapper tensor's parts."""
+    if type(tensor) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, torch.Tensor):
+                yield from _parts(inner, f"{name}.{attr}")
+        return
+    accessors = _SPARSE_PARTS.get(tensor.layout)
+    if accessors is None:
+        yield tensor, name
+        return
+    for accessor in accessors:
+        yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
+
+
+def _records(tensors: list[tuple[torch.Tensor, str, str]]) -> list[TensorRecord]:
+    owners: dict[int, tuple[torch.UntypedStorage, str]] = {}
+    records = []
+    strided = torch.strided
+    for top, top_name, category in tensors:
+        parts = (
+            [(top, top_name)]
+            if top.layout is strided and type(top) in _PLAIN_TYPES
+            else _parts(top, top_name)
+        )
+        for tensor, name in parts:
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                records.append(_record(tensor, name, category, str(tensor.device), None, None, None))
+                continue
+            owner = owners.get(id(storage))
+            device = str(storage.device)
+            nbytes = storage.nbytes()
+            if not isinstance(nbytes, int):
+                nbytes = None
+            if owner is not None:
+                records.append(_record(tensor, name, category, device, nbytes, 0, owner[1]))
+                continue
+            owners[id(storage)] = (storage, name)
+            memory = nbytes
+            if nbytes is not None and storage.device.type == "cuda":
+                memory = cuda_block_bytes(nbytes)
+            records.append(_record(tensor, name, category, device, nbytes, memory, None))
+    return records
+
+
+def _record(
+    tensor: torch.Tensor,
+    name: str,
+    category: str,
+    device: str,
+    nbytes: int | None,
+    memory: int | None,
+    owner: str | None,
+) -> TensorRecord:
+    try:
+        shape: tuple[int | str, ...] | None = tuple(d if isinstance(d, int) else str(d) for d in tensor.shape)
+    except RuntimeError:  # nested tensors have no single shape
+        shape = None
+    numel = tensor.numel() if shape is not None else None
+    return TensorRecord(
+        name=name,
+        category=category,
+        device=device,
+        shape=shape,
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        numel=numel if isinstance(numel, int) else None,
+        storage_bytes=nbytes,
+        memory=memory,
+        shares_with=owner,
+    )
+
+
+def _device_filter(device: torch.device | str | int | None) -> str | None:
+    """``device`` as the string records are keyed by; ``"cuda"`` (no index) selects every CUDA device."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            "device must be a torch.device, a string such as 'cpu', 'meta', 'cuda' or 'cuda:1', "
+            f"a CUDA index, or None; got {type(device).__name__} {device!r}"
+        )
+    try:
+        return str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+    except RuntimeError as error:
+        raise ValueError(
+            f"{device!r} is not a device; valid forms are 'cpu', 'meta', 'cuda', 'cuda:1', "
+            "an int CUDA index, a torch.device, or None"
+        ) from error
+
+
+def _allocated(
+    records: list[TensorRecord], source: AllocatedMemorySource | None
+) -> dict[str, tuple[int, str]]:
+    """Bytes a memory source reports as allocated on each device that has records."""
+    explicit = source is not None
+    if source is None:
+        from memlab.sources.tracker import active_tracker
+
+        source = active_tracker()
+    label = "the memory source" if source is None else type(source).__name__
+    allocated = {}
+    for device in {record.device for record in records}:
+        if device.startswith("cuda") and not explicit:
+            if torch.cuda.is_available():  # a CUDA tensor exists, so CUDA is already initialised
+                allocated[device] = (torch.cuda.memory_allocated(device), "torch.cuda")
+        elif source is not None:
+            allocated[device] = (int(source.memory_allocated(device)), label)
+    return allocated

@@ -1,0 +1,339 @@
+"""What :class:`memlab.MemReporter` records, and its renderers: the text report, DataFrames, diffs.
+
+A :class:`MemorySnapshot` is plain data (names, shapes, byte counts), captured once and holding no
+tensor; the text report, ``to_dataframe()`` and :class:`SnapshotDiff` all render the same records.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TextIO
+
+from memlab._units import format_size
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "CATEGORIES",
+    "DiffEntry",
+    "MemorySnapshot",
+    "SnapshotDiff",
+    "TensorRecord",
+    "device_matches",
+]
+
+CATEGORIES = ("parameter", "gradient", "buffer", "optimizer state", "other")
+
+_RULE = "-" * 79
+_NAME_WIDTH = 40
+_SIZE_WIDTH = 20
+_MEM_WIDTH = 10
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor (or one storage-holding part of a sparse or wrapper tensor) seen by the reporter.
+
+    ``storage_bytes`` is the exact ``nbytes`` of the storage the tensor uses; ``memory`` is what the
+    report counts for this row: the storage's bytes (rounded up to the CUDA allocator's 512 B blocks
+    on CUDA devices) for the row that owns the storage, ``0`` for a row that shares a storage owned
+    by the row named in ``shares_with``. Both are ``None`` when the size is symbolic or the storage
+    cannot be read. ``shape`` is ``None`` for nested tensors, which have no single shape.
+    """
+
+    name: str
+    category: str
+    device: str
+    shape: tuple[int | str, ...] | None
+    dtype: str
+    numel: int | None
+    storage_bytes: int | None
+    memory: int | None
+    shares_with: str | None = None
+
+    @property
+    def size_text(self) -> str:
+        """The shape as the report prints it: ``(1024, 1024)``, ``(1024,)``, ``()``, ``nested``."""
+        if self.shape is None:
+            return "nested"
+        if len(self.shape) == 1:
+            return f"({self.shape[0]},)"
+        return "(" + ", ".join(str(dim) for dim in self.shape) + ")"
+
+
+def device_matches(device: str, wanted: str | None) -> bool:
+    """Whether a record's ``device`` (``"cuda:0"``) is selected by ``wanted`` (``"cuda"`` = any index)."""
+    if wanted is None:
+        return True
+    return device == wanted or (":" not in wanted and device.split(":", 1)[0] == wanted)
+
+
+def _device_order(device: str) -> tuple[str, int]:
+    kind, _, index = device.partition(":")
+    return kind, int(index) if index.isdigit() else -1
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """The tensors ``gc`` could reach at one moment, named and grouped by storage; no tensor is held.
+
+    ``records`` are in report order (parameters each followed by their gradient, buffers, optimizer
+    state, then other tensors by first appearance). ``allocated`` maps a device to the bytes a
+    memory source reported as allocated there at the same moment and the source's name (only for
+    devices where one knows it: ``torch.cuda`` on CUDA devices, a :class:`memlab.TensorTracker` or
+    the ``source`` passed to the reporter elsewhere).
+    """
+
+    records: tuple[TensorRecord, ...]
+    allocated: dict[str, tuple[int, str]] = field(default_factory=dict)
+    taken_at: float = field(default_factory=time.time)
+
+    @property
+    def devices(self) -> list[str]:
+        """Devices with at least one record, in report order (``cpu``, ``cuda:0``, ``cuda:1``, ``meta``)."""
+        return sorted({record.device for record in self.records}, key=_device_order)
+
+    def select(self, device: str | None = None, verbose: bool = True) -> list[TensorRecord]:
+        """Records on ``device`` (``None`` = all, ``"cuda"`` = every CUDA device); with
+        ``verbose=False`` only the rows that own a storage (rows sharing one are left out)."""
+        return [
+            record
+            for record in self.records
+            if device_matches(record.device, device) and (verbose or record.shares_with is None)
+        ]
+
+    def used_memory(self, device: str) -> int:
+        """Bytes counted on ``device``: each storage once, rounded to 512 B blocks on CUDA devices."""
+        return sum(r.memory for r in self.records if r.device == device and r.memory is not None)
+
+    def report(self, verbose: bool = False, device: str | None = None, stream: TextIO | None = None) -> None:
+        """Write the pytorch_memlab-style text report to ``stream`` (default: ``sys.stdout`` now)."""
+        print(self.render(verbose=verbose, device=device), file=sys.stdout if stream is None else stream)
+
+    def render(self, verbose: bool = False, device: str | None = None) -> str:
+        """The text report: a header, one block per device, totals and the allocator's view.
+
+        With ``verbose=False`` a storage shared by several tensors appears once, under its owner's
+        name; with ``verbose=True`` every sharer is listed too, as ``name(->owner)`` with ``0.00B``.
+        """
+        rows = self.select(device, verbose)
+        width = max([_NAME_WIDTH, *(len(_label(r, verbose)) + 2 for r in rows)])
+        size_width = max([_SIZE_WIDTH, *(len(r.size_text) + 2 for r in rows)])
+        line = f"{{:<{width}s}}{{:>{size_width}s}}{{:>{_MEM_WIDTH}s}}"
+        rule = "-" * max(len(_RULE), width + size_width + _MEM_WIDTH)
+        out = [line.format("Element type", "Size", "Used MEM")]
+        for dev in self.devices:
+            if not device_matches(dev, device):
+                continue
+            block = [r for r in rows if r.device == dev]
+            out += [rule, f"Storage on {dev}"]
+            out += [line.format(_label(r, verbose), r.size_text, _memory_text(r.memory)) for r in block]
+            out += [rule, *_device_footer(self, dev), rule]
+        return "\n".join(out)
+
+    def to_dataframe(self, verbose: bool = False, device: str | None = None) -> pd.DataFrame:
+        """The report's rows as a DataFrame, one row per listed tensor.
+
+        Columns: ``device``, ``name``, ``category`` (one of :data:`CATEGORIES`), ``shape`` (a
+        tuple, ``None`` for nested tensors), ``dtype``, ``numel``, ``memory`` (bytes counted, as in
+        the report), ``storage_bytes`` (exact bytes of the storage) and ``shares_with`` (the
+        owner's name for rows sharing its storage, else ``None``). Unknown sizes are ``None``.
+        """
+        import pandas as pd
+
+        columns = ["device", "name", "category", "shape", "dtype", "numel", "memory", "storage_bytes"]
+        data = [
+            [
+                r.device,
+                r.name,
+                r.category,
+                r.shape,
+                r.dtype,
+                r.numel,
+                r.memory,
+                r.storage_bytes,
+                r.shares_with,
+            ]
+            for r in self.select(device, verbose)
+        ]
+        return pd.DataFrame(data, columns=[*columns, "shares_with"])
+
+
+def _label(record: TensorRecord, verbose: bool) -> str:
+    if verbose and record.shares_with is not None:
+        return f"{record.name}(->{record.shares_with})"
+    return record.name
+
+
+def _memory_text(memory: int | None) -> str:
+    return "?" if memory is None else format_size(memory)
+
+
+def _device_footer(snapshot: MemorySnapshot, device: str) -> list[str]:
+    owners = [r for r in snapshot.records if r.device == device and r.shares_with is None]
+    numel = sum(r.numel for r in owners if isinstance(r.numel, int))
+    used = snapshot.used_memory(device)
+    lines = [f"Total Tensors: {numel}  Used Memory: {format_size(used)}"]
+    unknown = sum(1 for r in owners if r.memory is None)
+    if unknown:
+        lines.append(
+            f"{unknown} tensor(s) of unknown size (symbolic shapes, or no readable storage) "
+            "are listed with '?' and not counted"
+        )
+    if device in snapshot.allocated:
+        allocated, source = snapshot.allocated[device]
+        lines.append(f"The allocated memory on {device}: {format_size(allocated)}")
+        if allocated != used:
+            lines.append(_explain_difference(device, allocated, used, source))
+    return lines
+
+
+def _explain_difference(device: str, allocated: int, used: int, source: str) -> str:
+    gap = format_size(abs(allocated - used))
+    if allocated > used:
+        why = "memory gc cannot see (autograd's saved tensors, C++-held buffers, kernel workspaces)"
+        if device.startswith("cuda"):
+            why += " and whole allocator blocks handed out for smaller requests"
+        return f"{source} reports {gap} more than the tensors above: {why}"
+    return (
+        f"{source} reports {gap} less than the tensors above: it does not count storages that "
+        "existed before it started or were allocated outside it"
+    )
+
+
+@dataclass(frozen=True)
+class DiffEntry:
+    """How one named tensor changed between two snapshots.
+
+    ``change`` is ``"appeared"``, ``"disappeared"``, ``"grew"`` or ``"shrank"``; ``before`` and
+    ``after`` are the bytes the report counted for it (``0`` where it did not exist).
+    """
+
+    change: str
+    device: str
+    name: str
+    category: str
+    shape: tuple[int | str, ...] | None
+    before: int
+    after: int
+
+    @property
+    def delta(self) -> int:
+        """``after - before`` in bytes."""
+        return self.after - self.before
+
+
+@dataclass(frozen=True)
+class SnapshotDiff:
+    """What appeared, disappeared, grew or shrank between two :class:`MemorySnapshot` s.
+
+    Tensors are matched by device and name: parameters, buffers, gradients and optimizer state by
+    their names (a gradient replaced by a new tensor of the same size is no change), other tensors
+    by the ``TensorN`` name a reporter keeps for the same tensor object while it lives. Bytes are
+    those the report counts (each storage once, under its owner). Tensors whose size is symbolic
+    only appear or disappear.
+    """
+
+    before: MemorySnapshot
+    after: MemorySnapshot
+    entries: tuple[DiffEntry, ...]
+
+    @classmethod
+    def between(cls, before: MemorySnapshot, after: MemorySnapshot) -> SnapshotDiff:
+        """Compare ``before`` with the later ``after``."""
+        old = {(r.device, r.name): r for r in before.records}
+        new = {(r.device, r.name): r for r in after.records}
+        entries = []
+        for key, record in new.items():
+            previous = old.get(key)
+            now = record.memory or 0
+            if previous is None:
+                entries.append(_entry("appeared", record, 0, now))
+            elif (previous.memory or 0) != now:
+                then = previous.memory or 0
+                entries.append(_entry("grew" if now > then else "shrank", record, then, now))
+        entries += [_entry("disappeared", r, r.memory or 0, 0) for key, r in old.items() if key not in new]
+        entries.sort(key=lambda e: _device_order(e.device))
+        return cls(before, after, tuple(entries))
+
+    def _of(self, change: str) -> list[DiffEntry]:
+        return [entry for entry in self.entries if entry.change == change]
+
+    @property
+    def appeared(self) -> list[DiffEntry]:
+        """Tensors present only in the later snapshot."""
+        return self._of("appeared")
+
+    @property
+    def disappeared(self) -> list[DiffEntry]:
+        """Tensors present only in the earlier snapshot."""
+        return self._of("disappeared")
+
+    @property
+    def grew(self) -> list[DiffEntry]:
+        """Tensors counted with more bytes in the later snapshot."""
+        return self._of("grew")
+
+    @property
+    def shrank(self) -> list[DiffEntry]:
+        """Tensors counted with fewer bytes in the later snapshot."""
+        return self._of("shrank")
+
+    def memory_change(self, device: str | None = None) -> int:
+        """Change in counted bytes on ``device`` (``None`` = all devices, ``"cuda"`` = all CUDA)."""
+        return sum(e.delta for e in self.entries if device_matches(e.device, device))
+
+    def render(self, device: str | None = None) -> str:
+        """The diff as text: one block per device, one line per changed tensor, then counts."""
+        entries = [e for e in self.entries if device_matches(e.device, device)]
+        width = max([_NAME_WIDTH - 12, *(len(e.name) + 2 for e in entries)])
+        line = f"{{:<12s}}{{:<{width}s}}{{:>{_SIZE_WIDTH}s}}{{:>10s}}{{:>10s}}{{:>10s}}"
+        rule = "-" * max(len(_RULE), 12 + width + _SIZE_WIDTH + 30)
+        out = [line.format("Change", "Element type", "Size", "Before", "After", "Delta")]
+        for dev in sorted({e.device for e in entries}, key=_device_order):
+            out += [rule, f"Storage on {dev}"]
+            for e in (e for e in entries if e.device == dev):
+                size = TensorRecord(e.name, e.category, dev, e.shape, "", None, None, None).size_text
+                out.append(
+                    line.format(
+                        e.change, e.name, size, format_size(e.before), format_size(e.after), _signed(e.delta)
+                    )
+                )
+        out.append(rule)
+        counts = "  ".join(
+            f"{c.capitalize()}: {len(self._of(c))}" for c in ("appeared", "disappeared", "grew", "shrank")
+        )
+        out.append(f"{counts}  Used Memory change: {_signed(self.memory_change(device))}")
+        return "\n".join(out)
+
+    def report(self, device: str | None = None, stream: TextIO | None = None) -> None:
+        """Write :meth:`render` to ``stream`` (default: ``sys.stdout`` at call time)."""
+        print(self.render(device), file=sys.stdout if stream is None else stream)
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """One row per change: ``change``, ``device``, ``name``, ``category``, ``shape``, ``before``,
+        ``after``, ``delta`` (bytes)."""
+        import pandas as pd
+
+        columns = ["change", "device", "name", "category", "shape", "before", "after", "delta"]
+        return pd.DataFrame(
+            [
+                [e.change, e.device, e.name, e.category, e.shape, e.before, e.after, e.delta]
+                for e in self.entries
+            ],
+            columns=columns,
+        )
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _entry(change: str, record: TensorRecord, before: int, after: int) -> DiffEntry:
+    return DiffEntry(change, record.device, record.name, record.category, record.shape, before, after)
+
+
+def _signed(nbytes: int) -> str:
+    return ("+" if nbytes > 0 else "") + format_size(nbytes)
