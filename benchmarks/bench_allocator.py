@@ -1,0 +1,117 @@
+"""Throughput of memlab's CUDA caching allocator model: malloc/free pairs per second.
+
+Two realistic traces, each replayed through a fresh ``CachingAllocatorModel`` several times:
+
+* ``eor_nn``: the 1,935 allocations / 1,926 frees recorded on a real GPU
+  (``../shared/gpu-traces/traces.json``), replayed back to back (live blocks freed between rounds);
+* ``training``: a synthetic training-step pattern (parameters kept for the whole run; per step,
+  activations allocated layer by layer and freed in reverse during backward, gradients, small
+  temporaries freed at once, optimizer state touched), mixing small-pool and large-pool sizes.
+
+Run: ``python benchmarks/bench_allocator.py`` (``--repeat N`` for more rounds). Prints one result
+line per trace and a final ``RESULT`` line with the lower of the two rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
+
+TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "gpu-traces" / "traces.json"
+
+
+def eor_nn_events() -> list[tuple[str, int, int]]:
+    """The recorded eor_nn trace as ("a", id, bytes) / ("f", id, 0) tuples."""
+    events = json.loads(TRACES.read_text())["eor_nn"]["events"]
+    return [(e[0], e[1], e[2] if e[0] == "a" else 0) for e in events]
+
+
+def training_events(steps: int = 20, layers: int = 24, seed: int = 0) -> list[tuple[str, int, int]]:
+    """A synthetic training loop's allocations: weights, activations, gradients, temporaries."""
+    rng = random.Random(seed)
+    events: list[tuple[str, int, int]] = []
+    next_id = 0
+
+    def alloc(nbytes: int) -> int:
+        nonlocal next_id
+        next_id += 1
+        events.append(("a", next_id, nbytes))
+        return next_id
+
+    def free(ident: int) -> None:
+        events.append(("f", ident, 0))
+
+    hidden = [rng.choice((256, 512, 768, 1024, 2048)) for _ in range(layers)]
+    for h in hidden:  # parameters: weight and bias, alive for the whole run
+        alloc(4 * h * h)
+        alloc(4 * h)
+    for _ in range(steps):
+        batch = rng.choice((16, 32, 64))
+        saved = []
+        for h in hidden:  # forward: activations kept for backward, temporaries freed at once
+            saved.append(alloc(4 * batch * h))
+            tmp = alloc(4 * batch * h)
+            scalar = alloc(4)
+            free(scalar)
+            free(tmp)
+        loss = alloc(4)
+        grads = []
+        for h in reversed(hidden):  # backward: gradients appear, activations go
+            grad_out = alloc(4 * batch * h)
+            grads.append(alloc(4 * h * h))
+            grads.append(alloc(4 * h))
+            free(saved.pop())
+            free(grad_out)
+        free(loss)
+        for grad in grads:  # optimizer step, then zero_grad(set_to_none=True)
+            tmp = alloc(rng.choice((4, 512, 4096)))
+            free(tmp)
+            free(grad)
+    return events
+
+
+def replay_rate(make_model, events: list[tuple[str, int, int]], repeat: int) -> tuple[float, int]:
+    """Replay ``events`` ``repeat`` times into one model; return (pairs per second, pairs)."""
+    model = make_model()
+    malloc, free = model.malloc, model.free
+    pairs = 0
+    start = time.perf_counter()
+    for _ in range(repeat):
+        handles: dict[int, int] = {}
+        for kind, ident, nbytes in events:
+            if kind == "a":
+                handles[ident] = malloc(nbytes)
+                pairs += 1
+            else:
+                free(handles.pop(ident))
+        for handle in handles.values():
+            free(handle)
+    elapsed = time.perf_counter() - start
+    return pairs / elapsed, pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=50, help="rounds per trace (default 50)")
+    args = parser.parse_args()
+    traces = {"eor_nn": eor_nn_events(), "training": training_events()}
+    rates = []
+    for name, events in traces.items():
+        for label, make_model in (
+            ("caching", lambda: CachingAllocatorModel(config="")),
+            ("exact", ExactAllocator),
+        ):
+            rate, pairs = replay_rate(make_model, events, args.repeat)
+            print(f"{name:9s} {label:8s} {pairs:9,d} malloc/free pairs  {rate:12,.0f} pairs/s")
+            if label == "caching":
+                rates.append(rate)
+    print(f"RESULT CachingAllocatorModel: {min(rates):,.0f} malloc/free pairs per second (slowest trace)")
+
+
+if __name__ == "__main__":
+    main()
