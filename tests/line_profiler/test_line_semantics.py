@@ -1,0 +1,279 @@
+"""What a line's numbers mean: intervals per frame, aggregation over hits, the ``def`` row."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+import memlab
+
+U8 = torch.uint8
+RECORDED = ("allocated_bytes.all.peak", "allocated_bytes.all.allocated", "allocated_bytes.all.freed")
+EXACT = ("hits", *RECORDED)
+
+
+def inner():
+    torch.nn.Linear(100, 100)
+
+
+def outer():
+    linear = torch.nn.Linear(100, 100)  # noqa: F841
+    linear2 = torch.nn.Linear(100, 100)  # noqa: F841
+    inner()
+
+
+def test_published_pytorch_memlab_example_reads_the_same_on_cpu():
+    lp = memlab.LineProfiler(outer, inner)
+    with lp:
+        outer()
+    text = repr(lp.display())
+    assert text == (
+        "## outer\n"
+        "\n"
+        "active_bytes reserved_bytes line  code\n"
+        "         all            all\n"
+        "        peak           peak\n"
+        f"       0.00B          0.00B {outer.__code__.co_firstlineno:>4}  def outer():\n"
+        f"      40.00K          2.00M {outer.__code__.co_firstlineno + 1:>4}"
+        "      linear = torch.nn.Linear(100, 100)  # noqa: F841\n"
+        f"      80.00K          2.00M {outer.__code__.co_firstlineno + 2:>4}"
+        "      linear2 = torch.nn.Linear(100, 100)  # noqa: F841\n"
+        f"     120.00K          2.00M {outer.__code__.co_firstlineno + 3:>4}      inner()\n"
+        "\n"
+        "\n"
+        "## inner\n"
+        "\n"
+        "active_bytes reserved_bytes line  code\n"
+        "         all            all\n"
+        "        peak           peak\n"
+        f"      80.00K          2.00M {inner.__code__.co_firstlineno:>4}  def inner():\n"
+        f"     120.00K          2.00M {inner.__code__.co_firstlineno + 1:>4}      torch.nn.Linear(100, 100)\n"
+    )
+
+
+def helper_allocating_a_temporary():
+    temporary = torch.empty(3000, dtype=U8)
+    del temporary
+
+
+def calls_unprofiled_helper():
+    kept = torch.empty(1000, dtype=U8)
+    helper_allocating_a_temporary()
+    return kept
+
+
+def test_an_unprofiled_call_is_inside_the_callers_line(exact, rows):
+    lp = memlab.LineProfiler(calls_unprofiled_helper, columns=RECORDED)
+    with lp:
+        kept = calls_unprofiled_helper()
+    assert rows(lp, calls_unprofiled_helper, (*EXACT, "delta")) == [
+        ("def calls_unprofiled_helper():", 1, 0, 0, 0, 0),
+        ("kept = torch.empty(1000, dtype=U8)", 1, 1000, 1000, 0, 1000),
+        ("helper_allocating_a_temporary()", 1, 4000, 3000, 3000, 0),
+        ("return kept", 1, 1000, 0, 0, 0),
+    ]
+    assert kept.numel() == 1000
+
+
+def profiled_callee(n):
+    block = torch.empty(n, dtype=U8)
+    del block
+
+
+def calls_profiled_callee():
+    profiled_callee(2000)
+    profiled_callee(500)
+
+
+def test_a_profiled_call_is_inside_the_callers_line_and_has_its_own_rows(exact, rows):
+    lp = memlab.LineProfiler(calls_profiled_callee, profiled_callee, columns=RECORDED)
+    with lp:
+        calls_profiled_callee()
+    assert rows(lp, calls_profiled_callee, EXACT) == [
+        ("def calls_profiled_callee():", 1, 0, 0, 0),
+        ("profiled_callee(2000)", 1, 2000, 2000, 2000),
+        ("profiled_callee(500)", 1, 500, 500, 500),
+    ]
+    assert rows(lp, profiled_callee, EXACT) == [
+        ("def profiled_callee(n):", 2, 0, 0, 0),
+        ("block = torch.empty(n, dtype=U8)", 2, 2000, 2500, 0),
+        ("del block", 2, 2000, 0, 2500),
+    ]
+
+
+def loop(n):
+    total = 0
+    for i in range(n):
+        block = torch.empty(100 * (i + 1), dtype=U8)
+        total += block.numel()
+    return total
+
+
+def test_repeated_lines_take_the_max_of_peaks_the_sum_of_totals_and_count_hits(exact, rows):
+    lp = memlab.LineProfiler(loop, columns=(*RECORDED, "allocated_bytes.all.current"))
+    with lp:
+        loop(3)
+    # block i+1 is created while block i is alive: 100+200, then 200+300.
+    assert rows(lp, loop, (*EXACT, "allocated_bytes.all.current", "delta")) == [
+        ("def loop(n):", 1, 0, 0, 0, 0, 0),
+        ("total = 0", 1, 0, 0, 0, 0, 0),
+        ("for i in range(n):", 4, 300, 0, 0, 300, 0),
+        ("block = torch.empty(100 * (i + 1), dtype=U8)", 3, 500, 600, 300, 300, 300),
+        ("total += block.numel()", 3, 300, 0, 0, 300, 0),
+        ("return total", 1, 300, 0, 0, 300, 0),
+    ]
+
+
+def decorated_twice(fn):
+    return fn
+
+
+@decorated_twice
+@decorated_twice
+def with_decorators():
+    return torch.empty(10, dtype=U8)
+
+
+def test_the_entry_row_is_on_the_def_line_never_on_a_decorator(exact, rows):
+    lp = memlab.LineProfiler(with_decorators, columns=RECORDED)
+    with lp:
+        with_decorators()
+    assert rows(lp, with_decorators, ("hits", "allocated_bytes.all.peak")) == [
+        ("@decorated_twice", None, None),
+        ("@decorated_twice", None, None),
+        ("def with_decorators():", 1, 0),
+        ("return torch.empty(10, dtype=U8)", 1, 10),
+    ]
+
+
+def recurse(n):
+    block = torch.empty(1000 * (n + 1), dtype=U8)
+    if n:
+        recurse(n - 1)
+    del block
+    return n
+
+
+def test_recursion_keeps_one_interval_per_frame(exact, rows):
+    lp = memlab.LineProfiler(recurse, columns=(*RECORDED, "allocated_bytes.all.current"))
+    with lp:
+        recurse(3)
+    # Live bytes when each level starts: 0 (n=3), 4000 (n=2), 7000 (n=1), 9000 (n=0).
+    # Each recursive call line holds the whole deeper subtree: 3000+2000+1000, 2000+1000, 1000.
+    assert rows(lp, recurse, (*EXACT, "allocated_bytes.all.current")) == [
+        ("def recurse(n):", 4, 9000, 0, 0, 9000),  # current: at the last entry
+        ("block = torch.empty(1000 * (n + 1), dtype=U8)", 4, 10000, 10000, 0, 10000),
+        ("if n:", 4, 10000, 0, 0, 10000),
+        ("recurse(n - 1)", 3, 10000, 6000 + 3000 + 1000, 6000 + 3000 + 1000, 4000),
+        ("del block", 4, 10000, 0, 10000, 0),
+        ("return n", 4, 9000, 0, 0, 0),
+    ]
+
+
+def test_recursion_peaks_match_the_true_peak_of_each_interval_at_every_depth(exact, rows):
+    # One profile per depth: the rows of depth d must be the hand-computed peaks of that run.
+    for depth in range(4):
+        lp = memlab.LineProfiler(recurse, columns=("allocated_bytes.all.peak",))
+        with lp:
+            recurse(depth)
+        total = sum(1000 * (k + 1) for k in range(depth + 1))
+        deepest_start = total - 1000
+        assert rows(lp, recurse, ("hits", "allocated_bytes.all.peak")) == [
+            ("def recurse(n):", depth + 1, deepest_start),
+            ("block = torch.empty(1000 * (n + 1), dtype=U8)", depth + 1, total),
+            ("if n:", depth + 1, total),
+            ("recurse(n - 1)", depth or None, total if depth else None),
+            ("del block", depth + 1, total),
+            ("return n", depth + 1, deepest_start),
+        ], depth
+
+
+def numbers(n):
+    for i in range(n):
+        block = torch.empty(1000, dtype=U8)
+        yield i
+        del block
+
+
+def test_a_generator_keeps_its_state_across_yields_and_excludes_the_consumer(exact, rows):
+    lp = memlab.LineProfiler(numbers, columns=RECORDED)
+    kept = []
+    with lp:
+        for _ in numbers(2):
+            kept.append(torch.empty(500, dtype=U8))  # the consumer, not the generator
+    assert rows(lp, numbers, EXACT) == [
+        ("def numbers(n):", 1, 0, 0, 0),
+        ("for i in range(n):", 3, 1000, 0, 0),
+        ("block = torch.empty(1000, dtype=U8)", 2, 1500, 2000, 0),
+        ("yield i", 2, 2000, 0, 0),
+        ("del block", 2, 2000, 0, 2000),
+    ]
+
+
+class Small:
+    size = 1000
+
+    def make(self):
+        return torch.empty(self.size, dtype=U8)
+
+
+class Large:
+    size = 5000
+
+    def make(self):
+        return torch.empty(self.size, dtype=U8)
+
+
+def test_methods_with_identical_bodies_in_two_classes_have_separate_rows(exact, rows):
+    lp = memlab.LineProfiler(Small.make, Large.make, columns=RECORDED)
+    with lp:
+        Small().make()
+        Small().make()
+        Large().make()
+    assert rows(lp, Small.make, EXACT) == [
+        ("def make(self):", 2, 0, 0, 0),
+        ("return torch.empty(self.size, dtype=U8)", 2, 1000, 2000, 0),
+    ]
+    assert rows(lp, Large.make, EXACT) == [
+        ("def make(self):", 1, 0, 0, 0),
+        ("return torch.empty(self.size, dtype=U8)", 1, 5000, 5000, 0),
+    ]
+    text = repr(lp.display(columns=RECORDED))
+    assert "## Small.make" in text and "## Large.make" in text
+
+
+async def fetch(n):
+    block = torch.empty(n, dtype=U8)
+    await asyncio.sleep(0)
+    return block.numel()
+
+
+async def gather_two():
+    return await asyncio.gather(fetch(1000), fetch(3000))
+
+
+def test_interleaved_coroutines_keep_separate_frame_state(exact, rows):
+    lp = memlab.LineProfiler(fetch, columns=RECORDED)
+    with lp:
+        assert asyncio.run(gather_two()) == [1000, 3000]
+    # The second coroutine starts while the first one's block is alive, and both blocks are
+    # alive while either sleeps. Locals are released after the frame returns: no line frees them.
+    assert rows(lp, fetch, EXACT) == [
+        ("async def fetch(n):", 2, 1000, 0, 0),
+        ("block = torch.empty(n, dtype=U8)", 2, 4000, 4000, 0),
+        ("await asyncio.sleep(0)", 2, 4000, 0, 0),
+        ("return block.numel()", 2, 4000, 0, 0),
+    ]
+
+
+def test_records_stay_one_row_per_line_however_many_events(exact):
+    lp = memlab.LineProfiler(loop)
+    with lp:
+        loop(10_000)
+    record = lp._records.functions[loop.__code__]
+    assert sorted(record.rows) == [
+        0,
+        *range(loop.__code__.co_firstlineno + 1, loop.__code__.co_firstlineno + 6),
+    ]
+    assert all(len(row) == len(record.rows[0]) for row in record.rows.values())
