@@ -5,6 +5,7 @@ Importing memlab has no side effects: it does not initialise CUDA, install a tra
 
 from __future__ import annotations
 
+from memlab.courtesy import Courtesy
 from memlab.line_profiler import (
     DEFAULT_COLUMNS,
     LineProfiler,
@@ -13,6 +14,7 @@ from memlab.line_profiler import (
     profile_every,
     set_target_gpu,
 )
+from memlab.reporter import MemReporter
 from memlab.sources.stats import STAT_KEYS
 
 __version__ = "0.1.0"
@@ -20,7 +22,9 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_COLUMNS",
     "STAT_KEYS",
+    "Courtesy",
     "LineProfiler",
+    "MemReporter",
     "__version__",
     "clear_global_line_profiler",
     "profile",

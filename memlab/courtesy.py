@@ -120,10 +120,8 @@ class Courtesy:
         moved_now = 0
         while storages:
             _, (storage, tensors) = storages.popitem()
-            moved = self._move_out(storage, tensors)
+            moved_now += self._move_out(storage, tensors)
             del storage, tensors
-            if moved is not None:
-                moved_now += moved.nbytes
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         return moved_now
@@ -171,13 +169,21 @@ class Courtesy:
             if tensor.layout is not torch.strided or tensor.is_nested:
                 self.skipped += 1
                 continue
-            storage = tensor.untyped_storage()
-            if id(storage) in placeholders or storage.nbytes() == 0:
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # subclasses without a storage
+                self.skipped += 1
+                continue
+            nbytes = storage.nbytes()  # symbolic for fake tensors, which claim a device but hold none
+            if not isinstance(nbytes, int) or nbytes == 0 or id(storage) in placeholders:
+                continue
+            if not _on(storage.device, self.device):
                 continue
             groups.setdefault(id(storage), (storage, []))[1].append(tensor)
         return groups
 
-    def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> _MovedStorage | None:
+    def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> int:
+        """Copy ``storage`` out, record it, re-point ``tensors``; return its bytes."""
         views = [
             _View(weakref.ref(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
             for t in tensors
@@ -190,12 +196,12 @@ class Courtesy:
             self._moved.append(moved)
             for tensor, view in zip(tensors, views, strict=True):
                 tensor.data = _view_of(host.untyped_storage(), view)
-            return moved
+            return moved.nbytes
         moved.path = self._write(storage)
         self._moved.append(moved)
         for tensor, view in zip(tensors, views, strict=True):
             tensor.data = self._placeholder(view)
-        return moved
+        return moved.nbytes
 
     def _write(self, storage: torch.UntypedStorage) -> Path:
         if self._workdir is None:
