@@ -15,14 +15,23 @@ may differ from a GPU's.
 
 from __future__ import annotations
 
-import operator
 from bisect import bisect_left
-from collections import OrderedDict
 from typing import Any
 
-import torch
-
-from memlab._units import parse_size
+from memlab.sources.allocator_blocks import (
+    KEY_SHIFT,
+    ONE_EXABYTE,
+    AllocatorBase,
+    Block,
+    BlockPool,
+    block_info,
+    change_pair,
+    change_split,
+    check_nbytes,
+    format_cuda_size,
+    huge_request,
+    oom_message,
+)
 from memlab.sources.allocator_config import (
     K_MIN_BLOCK_SIZE,
     K_SMALL_SIZE,
@@ -32,203 +41,14 @@ from memlab.sources.allocator_config import (
     parse_alloc_conf,
     round_size,
 )
-from memlab.sources.stats import StatTable, decrease, increase
+from memlab.sources.allocator_exact import ExactAllocator
+from memlab.sources.allocator_expandable import ExpandableSegments
+from memlab.sources.stats import decrease, increase
 
 __all__ = ["CachingAllocatorModel", "ExactAllocator", "format_cuda_size", "oom_message"]
 
-_ONE_EXABYTE = 1_152_921_504_606_846_976
-_KEY_SHIFT = 64  # a free block's sort key is (size << 64) | address: best fit, then lowest address
 
-
-def format_cuda_size(nbytes: int) -> str:
-    """Format bytes as PyTorch's allocator does in its messages (``format_size`` in C++).
-
-    Up to 1024 B: ``"512 bytes"``; up to 1 MiB: ``"40.00 KiB"``; up to 1 GiB: ``"20.00 MiB"``;
-    above: ``"1.50 GiB"``. (memlab's own tables print sizes with :func:`memlab._units.format_size`.)
-    """
-    if nbytes <= 1024:
-        return f"{nbytes} bytes"
-    if nbytes <= 1_048_576:
-        return f"{nbytes / 1024.0:.2f} KiB"
-    if nbytes <= 1_073_741_824:
-        return f"{nbytes / 1_048_576.0:.2f} MiB"
-    return f"{nbytes / 1_073_741_824.0:.2f} GiB"
-
-
-def oom_message(tried: int, capacity: int, free: int, allocated: int, reserved: int) -> str:
-    """PyTorch's ``CUDA out of memory`` message for device 0, word for word.
-
-    ``tried`` is the size of the failed ``cudaMalloc`` (the segment, not the request), ``free``
-    what the device has left, ``allocated``/``reserved`` the allocator's current totals.
-    """
-    return (
-        f"CUDA out of memory. Tried to allocate {format_cuda_size(tried)}. GPU 0 has a total capacity of "
-        f"{format_cuda_size(capacity)} of which {format_cuda_size(free)} is free. Of the allocated memory "
-        f"{format_cuda_size(allocated)} is allocated by PyTorch, and "
-        f"{format_cuda_size(reserved - allocated)} is reserved by PyTorch but unallocated. If reserved but "
-        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
-        "fragmentation.  See documentation for Memory Management  "
-        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-    )
-
-
-def _check_nbytes(nbytes: Any) -> int:
-    if isinstance(nbytes, bool):
-        raise TypeError(f"nbytes must be an int number of bytes, got bool {nbytes!r}")
-    try:
-        value = operator.index(nbytes)
-    except TypeError:
-        raise TypeError(
-            f"nbytes must be an int number of bytes, got {type(nbytes).__name__} {nbytes!r}"
-        ) from None
-    if value < 0:
-        raise ValueError(f"nbytes must be >= 0, got {value}")
-    return value
-
-
-def _huge_request() -> torch.OutOfMemoryError:
-    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
-
-
-class _AllocatorBase:
-    """Handles, input checks and the statistics interface shared by both allocators."""
-
-    table: StatTable
-
-    def __init__(self, capacity: int | str | None) -> None:
-        self.capacity: int | None = None if capacity is None else parse_size(capacity, name="capacity")
-        self.table = StatTable(aliases={"active": "allocation", "active_bytes": "allocated_bytes"})
-        self._live: dict[int, Any] = {}
-        self._next_handle = 1
-
-    def _bad_handle(self, handle: Any) -> Exception:
-        if isinstance(handle, bool) or not isinstance(handle, int):
-            return TypeError(
-                f"handle must be an int returned by malloc, got {type(handle).__name__} {handle!r}"
-            )
-        if 0 < handle < self._next_handle:
-            return ValueError(f"handle {handle} was already freed (double free)")
-        return ValueError(f"unknown handle {handle}: it was not returned by this allocator's malloc")
-
-    def memory_stats(self) -> OrderedDict[str, int]:
-        """The statistics of ``torch.cuda.memory_stats()``, same keys, sorted, for the modelled device.
-
-        ``*_bytes.*`` values are bytes, the others counts; ``current``/``peak`` are levels and
-        ``allocated``/``freed`` running totals since construction or the last reset.
-        """
-        return self.table.as_dict()
-
-    def reset_peak_memory_stats(self) -> None:
-        """Set every ``peak`` to its ``current`` value, like ``torch.cuda.reset_peak_memory_stats()``."""
-        self.table.reset_peaks()
-
-    def reset_accumulated_memory_stats(self) -> None:
-        """Zero the ``allocated``/``freed`` totals and event counters, like
-        ``torch.cuda.reset_accumulated_memory_stats()``."""
-        self.table.reset_accumulated()
-
-    def _oom(self, tried: int) -> torch.OutOfMemoryError:
-        self.table.counters["num_ooms"] += 1
-        stats = self.table.stats
-        allocated = stats["allocated_bytes.all"][0]
-        reserved = stats["reserved_bytes.all"][0]
-        capacity = self.capacity if self.capacity is not None else 0
-        return torch.OutOfMemoryError(oom_message(tried, capacity, capacity - reserved, allocated, reserved))
-
-
-class _Block:
-    """A contiguous range of a segment: allocated to a handle, or free and cached in its pool."""
-
-    __slots__ = ("addr", "allocated", "next", "pool", "prev", "requested", "size")
-
-    def __init__(self, addr: int, size: int, pool: _Pool) -> None:
-        self.addr = addr
-        self.size = size
-        self.requested = 0
-        self.allocated = False
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-        self.pool = pool
-
-
-class _Pool:
-    """Free cached blocks of one pool, sorted by (size, address), and the pool's statistics."""
-
-    __slots__ = (
-        "allocated_bytes",
-        "allocation",
-        "blocks",
-        "hot",
-        "inactive_split",
-        "inactive_split_bytes",
-        "keys",
-        "name",
-        "requested_bytes",
-        "reserved_bytes",
-        "segment",
-        "small",
-        "split",
-    )
-
-    def __init__(self, table: StatTable, small: bool) -> None:
-        self.small = small
-        self.name = "small_pool" if small else "large_pool"
-        self.keys: list[int] = []
-        self.blocks: list[_Block] = []
-        stats = table.stats
-        for stat in (
-            "allocation",
-            "allocated_bytes",
-            "requested_bytes",
-            "segment",
-            "reserved_bytes",
-            "inactive_split",
-            "inactive_split_bytes",
-        ):
-            setattr(self, stat, (stats[f"{stat}.all"], stats[f"{stat}.{self.name}"]))
-        # the lists malloc/free touch on every call, unpacked in one go
-        self.hot = self.allocation + self.allocated_bytes + self.requested_bytes
-        self.split = self.inactive_split + self.inactive_split_bytes
-
-    def insert(self, block: _Block) -> None:
-        key = (block.size << _KEY_SHIFT) | block.addr
-        i = bisect_left(self.keys, key)
-        self.keys.insert(i, key)
-        self.blocks.insert(i, block)
-
-    def remove(self, block: _Block) -> None:
-        i = bisect_left(self.keys, (block.size << _KEY_SHIFT) | block.addr)
-        del self.keys[i]
-        del self.blocks[i]
-
-
-def _change(stats: tuple[list[int], list[int]], amount: int) -> None:
-    """Apply a net change to a pair of (all, pool) statistics, as an increase or a decrease."""
-    if amount > 0:
-        increase(stats[0], amount)
-        increase(stats[1], amount)
-    elif amount < 0:
-        decrease(stats[0], -amount)
-        decrease(stats[1], -amount)
-
-
-def _split_change(split: tuple[list[int], ...], blocks: int, nbytes: int) -> None:
-    """Apply free_block's net changes to ``inactive_split`` and ``inactive_split_bytes`` (all, pool)."""
-    for stat, amount in ((split[0], blocks), (split[1], blocks), (split[2], nbytes), (split[3], nbytes)):
-        if amount > 0:
-            current = stat[0] + amount
-            stat[0] = current
-            stat[2] += amount
-            if current > stat[1]:
-                stat[1] = current
-            if current > stat[4]:
-                stat[4] = current
-        elif amount < 0:
-            stat[0] += amount
-            stat[3] -= amount
-
-
-class CachingAllocatorModel(_AllocatorBase):
+class CachingAllocatorModel(AllocatorBase):
     """PyTorch's CUDA caching allocator (native backend, one device, one stream), replayed in Python.
 
     ``malloc(nbytes)`` returns an int handle (0 for 0 bytes, like PyTorch's null pointer) and
@@ -249,15 +69,13 @@ class CachingAllocatorModel(_AllocatorBase):
         self.table.counters["max_split_size"] = self.config.reported_max_split_size
         self._max_split = self.config.max_split_size
         self._plain_rounding = not any(d > 1 for d in self.config.roundup_power2_divisions)
-        self._small = _Pool(self.table, small=True)
-        self._large = _Pool(self.table, small=False)
+        self._small = BlockPool(self.table, small=True)
+        self._large = BlockPool(self.table, small=False)
         self._oversize_allocations = self.table.stats["oversize_allocations"]
         self._oversize_segments = self.table.stats["oversize_segments"]
         self._next_addr = 0x7F0000000000  # where the first invented segment starts
         self._segments: dict[int, int] = {}  # address -> size of every cudaMalloc'd segment
-        self._expandable: Any = None
-        if self.config.expandable_segments:
-            raise ValueError("expandable_segments:True is not modelled yet")
+        self._expandable = ExpandableSegments(self) if self.config.expandable_segments else None
 
     # -- the hot path -------------------------------------------------------------------------
 
@@ -272,11 +90,11 @@ class CachingAllocatorModel(_AllocatorBase):
         Raises ``TypeError``/``ValueError`` for a non-int or negative size.
         """
         if type(nbytes) is not int or nbytes <= 0:
-            nbytes = _check_nbytes(nbytes)
+            nbytes = check_nbytes(nbytes)
             if nbytes == 0:
                 return 0
-        if nbytes >= _ONE_EXABYTE:
-            raise _huge_request()
+        if nbytes >= ONE_EXABYTE:
+            raise huge_request()
         if self._plain_rounding:
             size = (nbytes + 511) & -512 if nbytes > K_MIN_BLOCK_SIZE else K_MIN_BLOCK_SIZE
         else:
@@ -284,10 +102,10 @@ class CachingAllocatorModel(_AllocatorBase):
         pool = self._small if size <= K_SMALL_SIZE else self._large
         max_split = self._max_split
         if self._expandable is not None:
-            block = self._expandable.take_block(pool, size, nbytes)
+            block = self._expandable.take_block(pool, size)
         else:
             keys = pool.keys
-            i = bisect_left(keys, size << _KEY_SHIFT)
+            i = bisect_left(keys, size << KEY_SHIFT)
             block = None
             if i < len(keys):
                 block = pool.blocks[i]
@@ -310,16 +128,20 @@ class CachingAllocatorModel(_AllocatorBase):
                 else (size < max_split and remaining > K_SMALL_SIZE)
             ):
                 rest = block
-                block = _Block(rest.addr, size, pool)
+                block = Block(rest.addr, size, pool)
                 prev = rest.prev
                 block.prev = prev
                 if prev is not None:
                     prev.next = block
                 block.next = rest
                 rest.prev = block
-                rest.addr += size
+                rest.addr = addr = rest.addr + size
                 rest.size = remaining
-                pool.insert(rest)
+                keys = pool.keys
+                key = (remaining << KEY_SHIFT) | addr
+                i = bisect_left(keys, key)
+                keys.insert(i, key)
+                pool.blocks.insert(i, rest)
                 n0, n1, sb0, sb1 = pool.split
                 if already_split:  # an inactive split block shrinks by the allocated part
                     sb0[0] -= size
@@ -435,9 +257,13 @@ class CachingAllocatorModel(_AllocatorBase):
             self._expandable.give_back(block)
             return
         merged_blocks = 0
+        keys = pool.keys
+        blocks = pool.blocks
         prev = block.prev
         if prev is not None and not prev.allocated:
-            pool.remove(prev)
+            i = bisect_left(keys, (prev.size << KEY_SHIFT) | prev.addr)
+            del keys[i]
+            del blocks[i]
             block.addr = prev.addr
             block.size += prev.size
             block.prev = prev = prev.prev
@@ -446,17 +272,18 @@ class CachingAllocatorModel(_AllocatorBase):
             merged_blocks = 1
         nxt = block.next
         if nxt is not None and not nxt.allocated:
-            pool.remove(nxt)
+            i = bisect_left(keys, (nxt.size << KEY_SHIFT) | nxt.addr)
+            del keys[i]
+            del blocks[i]
             block.size += nxt.size
             block.next = nxt = nxt.next
             if nxt is not None:
                 nxt.prev = block
             merged_blocks += 1
-        keys = pool.keys
-        key = (block.size << _KEY_SHIFT) | block.addr
+        key = (block.size << KEY_SHIFT) | block.addr
         i = bisect_left(keys, key)
         keys.insert(i, key)
-        pool.blocks.insert(i, block)
+        blocks.insert(i, block)
         # free_block's net change of inactive split blocks: the merged neighbours stop counting,
         # the result counts if it is still only part of its segment.
         net_bytes = bsize - block.size
@@ -495,27 +322,27 @@ class CachingAllocatorModel(_AllocatorBase):
                 if current > n1[4]:
                     n1[4] = current
             elif merged_blocks:
-                _split_change(pool.split, -merged_blocks, 0)
+                change_split(pool.split, -merged_blocks, 0)
         elif merged_blocks or net_bytes:
-            _split_change(pool.split, -merged_blocks, net_bytes)
+            change_split(pool.split, -merged_blocks, net_bytes)
 
     # -- segments -------------------------------------------------------------------------------
 
-    def _cuda_malloc(self, pool: _Pool, alloc_size: int) -> _Block | None:
+    def _cuda_malloc(self, pool: BlockPool, alloc_size: int) -> Block | None:
         """A new segment of ``alloc_size`` bytes, or ``None`` if the device cannot hold it."""
         if self.capacity is not None and pool.reserved_bytes[0][0] + alloc_size > self.capacity:
             return None
         addr = self._next_addr
         self._next_addr = addr + alloc_size
         self._segments[addr] = alloc_size
-        _change(pool.segment, 1)
-        _change(pool.reserved_bytes, alloc_size)
+        change_pair(pool.segment, 1)
+        change_pair(pool.reserved_bytes, alloc_size)
         if alloc_size >= self._max_split:
             increase(self._oversize_segments, 1)
         self.table.counters["num_device_alloc"] += 1
-        return _Block(addr, alloc_size, pool)
+        return Block(addr, alloc_size, pool)
 
-    def _alloc_block(self, pool: _Pool, size: int) -> _Block:
+    def _alloc_block(self, pool: BlockPool, size: int) -> Block:
         """``alloc_block`` with PyTorch's fallbacks: free enough oversize cached blocks, then all
         unsplit cached segments (a retry), then raise ``torch.OutOfMemoryError``."""
         alloc_size = allocation_size(size)
@@ -530,17 +357,17 @@ class CachingAllocatorModel(_AllocatorBase):
             raise self._oom(alloc_size)
         return block
 
-    def _release_block(self, block: _Block) -> None:
+    def _release_block(self, block: Block) -> None:
         pool = block.pool
         pool.remove(block)
         del self._segments[block.addr]
-        _change(pool.segment, -1)
-        _change(pool.reserved_bytes, -block.size)
+        change_pair(pool.segment, -1)
+        change_pair(pool.reserved_bytes, -block.size)
         if block.size >= self._max_split:
             decrease(self._oversize_segments, 1)
         self.table.counters["num_device_free"] += 1
 
-    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+    def _release_available_cached_blocks(self, pool: BlockPool, size: int) -> bool:
         """Free the smallest oversize cached segment that covers the request, or several of the
         largest ones until enough is freed (only with ``max_split_size_mb``)."""
         max_split = self._max_split
@@ -548,7 +375,7 @@ class CachingAllocatorModel(_AllocatorBase):
             return False
         target = max(size, max_split)
         keys = pool.keys
-        i = bisect_left(keys, target << _KEY_SHIFT)
+        i = bisect_left(keys, target << KEY_SHIFT)
         if i < len(keys):
             block = pool.blocks[i]
             if block.prev is not None or block.next is not None:
@@ -609,9 +436,9 @@ class CachingAllocatorModel(_AllocatorBase):
                 "is_expandable": False,
                 "blocks": [],
             }
-            block: _Block | None = head
+            block: Block | None = head
             while block is not None:
-                segment["blocks"].append(_block_info(block))
+                segment["blocks"].append(block_info(block))
                 segment["total_size"] += block.size
                 if block.allocated:
                     segment["allocated_size"] += block.size
@@ -619,104 +446,3 @@ class CachingAllocatorModel(_AllocatorBase):
                 block = block.next
             segments.append(segment)
         return segments
-
-
-def _block_info(block: _Block) -> dict[str, Any]:
-    return {
-        "address": block.addr,
-        "size": block.size,
-        "requested_size": block.requested if block.allocated else 0,
-        "allocated": block.allocated,
-        "state": "active_allocated" if block.allocated else "inactive",
-    }
-
-
-class ExactAllocator(_AllocatorBase):
-    """Exact bytes: every allocation is its own segment of exactly the requested size.
-
-    No rounding and no caching, so ``reserved_bytes == allocated_bytes == requested_bytes`` at all
-    times; the pool of a request is ``small_pool`` up to 1 MiB, else ``large_pool``. Same
-    interface and keys as :class:`CachingAllocatorModel`; with ``capacity`` a request that does
-    not fit raises ``torch.OutOfMemoryError`` (``num_ooms``) at once (nothing is cached, so
-    there is no retry). 0 bytes returns handle 0 and changes nothing.
-    """
-
-    def __init__(self, capacity: int | str | None = None) -> None:
-        super().__init__(capacity)
-        self.table.counters["max_split_size"] = -1
-        stats = self.table.stats
-        self._pools = {
-            small: tuple(
-                stats[f"{s}.{p}"]
-                for s in ("allocation", "allocated_bytes", "requested_bytes", "segment", "reserved_bytes")
-                for p in ("all", name)
-            )
-            for small, name in ((True, "small_pool"), (False, "large_pool"))
-        }
-        self._reserved_all = stats["reserved_bytes.all"]
-
-    def malloc(self, nbytes: int) -> int:
-        """Allocate exactly ``nbytes`` bytes as a new segment; return a handle for :meth:`free`."""
-        if type(nbytes) is not int or nbytes <= 0:
-            nbytes = _check_nbytes(nbytes)
-            if nbytes == 0:
-                return 0
-        if nbytes >= _ONE_EXABYTE:
-            raise _huge_request()
-        if self.capacity is not None and self._reserved_all[0] + nbytes > self.capacity:
-            raise self._oom(nbytes)
-        small = nbytes <= K_SMALL_SIZE
-        amounts = (1, 1, nbytes, nbytes, nbytes, nbytes, 1, 1, nbytes, nbytes)
-        for stat, amount in zip(self._pools[small], amounts, strict=True):
-            current = stat[0] + amount
-            stat[0] = current
-            stat[2] += amount
-            if current > stat[1]:
-                stat[1] = current
-            if current > stat[4]:
-                stat[4] = current
-        self.table.counters["num_device_alloc"] += 1
-        handle = self._next_handle
-        self._next_handle = handle + 1
-        self._live[handle] = nbytes
-        return handle
-
-    def free(self, handle: int) -> None:
-        """Release the segment of ``handle`` at once. ``free(0)`` does nothing; an unknown or
-        already freed handle raises ``ValueError``."""
-        nbytes = self._live.pop(handle, None)
-        if nbytes is None:
-            if handle == 0 and type(handle) is int:
-                return
-            raise self._bad_handle(handle)
-        amounts = (1, 1, nbytes, nbytes, nbytes, nbytes, 1, 1, nbytes, nbytes)
-        for stat, amount in zip(self._pools[nbytes <= K_SMALL_SIZE], amounts, strict=True):
-            stat[0] -= amount
-            stat[3] += amount
-        self.table.counters["num_device_free"] += 1
-
-    def empty_cache(self) -> None:
-        """Nothing is cached, so nothing happens (no counter changes)."""
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """One segment per live allocation, each holding one block of exactly the requested size."""
-        return [
-            {
-                "address": handle,
-                "total_size": nbytes,
-                "allocated_size": nbytes,
-                "requested_size": nbytes,
-                "segment_type": "small" if nbytes <= K_SMALL_SIZE else "large",
-                "is_expandable": False,
-                "blocks": [
-                    {
-                        "address": handle,
-                        "size": nbytes,
-                        "requested_size": nbytes,
-                        "allocated": True,
-                        "state": "active_allocated",
-                    }
-                ],
-            }
-            for handle, nbytes in self._live.items()
-        ]

@@ -1,0 +1,233 @@
+"""Building blocks shared by memlab's allocator models: blocks, pools, handles and PyTorch's messages.
+
+Internal to :mod:`memlab.sources.allocator`; the public names are re-exported there.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_left
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from memlab._units import parse_size
+from memlab.sources.stats import StatTable, decrease, increase
+
+__all__ = [
+    "KEY_SHIFT",
+    "ONE_EXABYTE",
+    "AllocatorBase",
+    "Block",
+    "BlockPool",
+    "block_info",
+    "change_pair",
+    "change_split",
+    "check_nbytes",
+    "format_cuda_size",
+    "huge_request",
+    "oom_message",
+]
+
+ONE_EXABYTE = 1_152_921_504_606_846_976
+KEY_SHIFT = 64  # a free block's sort key is (size << 64) | address: best fit, then lowest address
+
+
+def format_cuda_size(nbytes: int) -> str:
+    """Format bytes as PyTorch's allocator does in its messages (``format_size`` in C++).
+
+    Up to 1024 B: ``"512 bytes"``; up to 1 MiB: ``"40.00 KiB"``; up to 1 GiB: ``"20.00 MiB"``;
+    above: ``"1.50 GiB"``. (memlab's own tables print sizes with :func:`memlab._units.format_size`.)
+    """
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= 1_048_576:
+        return f"{nbytes / 1024.0:.2f} KiB"
+    if nbytes <= 1_073_741_824:
+        return f"{nbytes / 1_048_576.0:.2f} MiB"
+    return f"{nbytes / 1_073_741_824.0:.2f} GiB"
+
+
+def oom_message(tried: int, capacity: int, free: int, allocated: int, reserved: int) -> str:
+    """PyTorch's ``CUDA out of memory`` message for device 0, word for word.
+
+    ``tried`` is the size of the failed ``cudaMalloc`` (the segment, not the request), ``free``
+    what the device has left, ``allocated``/``reserved`` the allocator's current totals.
+    """
+    return (
+        f"CUDA out of memory. Tried to allocate {format_cuda_size(tried)}. GPU 0 has a total capacity of "
+        f"{format_cuda_size(capacity)} of which {format_cuda_size(free)} is free. Of the allocated memory "
+        f"{format_cuda_size(allocated)} is allocated by PyTorch, and "
+        f"{format_cuda_size(reserved - allocated)} is reserved by PyTorch but unallocated. If reserved but "
+        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+        "fragmentation.  See documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+
+
+def check_nbytes(nbytes: Any) -> int:
+    if isinstance(nbytes, bool):
+        raise TypeError(f"nbytes must be an int number of bytes, got bool {nbytes!r}")
+    try:
+        value = operator.index(nbytes)
+    except TypeError:
+        raise TypeError(
+            f"nbytes must be an int number of bytes, got {type(nbytes).__name__} {nbytes!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"nbytes must be >= 0, got {value}")
+    return value
+
+
+def huge_request() -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
+
+
+class AllocatorBase:
+    """Handles, input checks and the statistics interface shared by both allocators."""
+
+    table: StatTable
+
+    def __init__(self, capacity: int | str | None) -> None:
+        self.capacity: int | None = None if capacity is None else parse_size(capacity, name="capacity")
+        self.table = StatTable(aliases={"active": "allocation", "active_bytes": "allocated_bytes"})
+        self._live: dict[int, Any] = {}
+        self._next_handle = 1
+
+    def _bad_handle(self, handle: Any) -> Exception:
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            return TypeError(
+                f"handle must be an int returned by malloc, got {type(handle).__name__} {handle!r}"
+            )
+        if 0 < handle < self._next_handle:
+            return ValueError(f"handle {handle} was already freed (double free)")
+        return ValueError(f"unknown handle {handle}: it was not returned by this allocator's malloc")
+
+    def memory_stats(self) -> OrderedDict[str, int]:
+        """The statistics of ``torch.cuda.memory_stats()``, same keys, sorted, for the modelled device.
+
+        ``*_bytes.*`` values are bytes, the others counts; ``current``/``peak`` are levels and
+        ``allocated``/``freed`` running totals since construction or the last reset.
+        """
+        return self.table.as_dict()
+
+    def reset_peak_memory_stats(self) -> None:
+        """Set every ``peak`` to its ``current`` value, like ``torch.cuda.reset_peak_memory_stats()``."""
+        self.table.reset_peaks()
+
+    def reset_accumulated_memory_stats(self) -> None:
+        """Zero the ``allocated``/``freed`` totals and event counters, like
+        ``torch.cuda.reset_accumulated_memory_stats()``."""
+        self.table.reset_accumulated()
+
+    def _oom(self, tried: int) -> torch.OutOfMemoryError:
+        self.table.counters["num_ooms"] += 1
+        stats = self.table.stats
+        allocated = stats["allocated_bytes.all"][0]
+        reserved = stats["reserved_bytes.all"][0]
+        capacity = self.capacity if self.capacity is not None else 0
+        return torch.OutOfMemoryError(oom_message(tried, capacity, capacity - reserved, allocated, reserved))
+
+
+class Block:
+    """A contiguous range of a segment: allocated to a handle, or free and cached in its pool."""
+
+    __slots__ = ("addr", "allocated", "mapped", "next", "pool", "prev", "requested", "size")
+
+    def __init__(self, addr: int, size: int, pool: BlockPool) -> None:
+        self.addr = addr
+        self.size = size
+        self.requested = 0
+        self.allocated = False
+        self.mapped = True  # False only for unmapped address space of an expandable segment
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.pool = pool
+
+
+class BlockPool:
+    """Free cached blocks of one pool, sorted by (size, address), and the pool's statistics."""
+
+    __slots__ = (
+        "allocated_bytes",
+        "allocation",
+        "blocks",
+        "hot",
+        "inactive_split",
+        "inactive_split_bytes",
+        "keys",
+        "name",
+        "requested_bytes",
+        "reserved_bytes",
+        "segment",
+        "small",
+        "split",
+    )
+
+    def __init__(self, table: StatTable, small: bool) -> None:
+        self.small = small
+        self.name = "small_pool" if small else "large_pool"
+        self.keys: list[int] = []
+        self.blocks: list[Block] = []
+        stats = table.stats
+        for stat in (
+            "allocation",
+            "allocated_bytes",
+            "requested_bytes",
+            "segment",
+            "reserved_bytes",
+            "inactive_split",
+            "inactive_split_bytes",
+        ):
+            setattr(self, stat, (stats[f"{stat}.all"], stats[f"{stat}.{self.name}"]))
+        # the lists malloc/free touch on every call, unpacked in one go
+        self.hot = self.allocation + self.allocated_bytes + self.requested_bytes
+        self.split = self.inactive_split + self.inactive_split_bytes
+
+    def insert(self, block: Block) -> None:
+        key = (block.size << KEY_SHIFT) | block.addr
+        i = bisect_left(self.keys, key)
+        self.keys.insert(i, key)
+        self.blocks.insert(i, block)
+
+    def remove(self, block: Block) -> None:
+        i = bisect_left(self.keys, (block.size << KEY_SHIFT) | block.addr)
+        del self.keys[i]
+        del self.blocks[i]
+
+
+def change_pair(stats: tuple[list[int], list[int]], amount: int) -> None:
+    """Apply a net change to a pair of (all, pool) statistics, as an increase or a decrease."""
+    if amount > 0:
+        increase(stats[0], amount)
+        increase(stats[1], amount)
+    elif amount < 0:
+        decrease(stats[0], -amount)
+        decrease(stats[1], -amount)
+
+
+def change_split(split: tuple[list[int], ...], blocks: int, nbytes: int) -> None:
+    """Apply free_block's net changes to ``inactive_split`` and ``inactive_split_bytes`` (all, pool)."""
+    for stat, amount in ((split[0], blocks), (split[1], blocks), (split[2], nbytes), (split[3], nbytes)):
+        if amount > 0:
+            current = stat[0] + amount
+            stat[0] = current
+            stat[2] += amount
+            if current > stat[1]:
+                stat[1] = current
+            if current > stat[4]:
+                stat[4] = current
+        elif amount < 0:
+            stat[0] += amount
+            stat[3] -= amount
+
+
+def block_info(block: Block) -> dict[str, Any]:
+    return {
+        "address": block.addr,
+        "size": block.size,
+        "requested_size": block.requested if block.allocated else 0,
+        "allocated": block.allocated,
+        "state": "active_allocated" if block.allocated else "inactive",
+    }

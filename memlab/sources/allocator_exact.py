@@ -1,0 +1,101 @@
+"""An allocator that counts exact bytes: no rounding, no caching, one segment per allocation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memlab.sources.allocator_blocks import ONE_EXABYTE, AllocatorBase, check_nbytes, huge_request
+from memlab.sources.allocator_config import K_SMALL_SIZE
+
+__all__ = ["ExactAllocator"]
+
+
+class ExactAllocator(AllocatorBase):
+    """Exact bytes: every allocation is its own segment of exactly the requested size.
+
+    No rounding and no caching, so ``reserved_bytes == allocated_bytes == requested_bytes`` at all
+    times; the pool of a request is ``small_pool`` up to 1 MiB, else ``large_pool``. Same
+    interface and keys as :class:`CachingAllocatorModel`; with ``capacity`` a request that does
+    not fit raises ``torch.OutOfMemoryError`` (``num_ooms``) at once (nothing is cached, so
+    there is no retry). 0 bytes returns handle 0 and changes nothing.
+    """
+
+    def __init__(self, capacity: int | str | None = None) -> None:
+        super().__init__(capacity)
+        self.table.counters["max_split_size"] = -1
+        stats = self.table.stats
+        self._pools = {
+            small: tuple(
+                stats[f"{s}.{p}"]
+                for s in ("allocation", "allocated_bytes", "requested_bytes", "segment", "reserved_bytes")
+                for p in ("all", name)
+            )
+            for small, name in ((True, "small_pool"), (False, "large_pool"))
+        }
+        self._reserved_all = stats["reserved_bytes.all"]
+
+    def malloc(self, nbytes: int) -> int:
+        """Allocate exactly ``nbytes`` bytes as a new segment; return a handle for :meth:`free`."""
+        if type(nbytes) is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+            if nbytes == 0:
+                return 0
+        if nbytes >= ONE_EXABYTE:
+            raise huge_request()
+        if self.capacity is not None and self._reserved_all[0] + nbytes > self.capacity:
+            raise self._oom(nbytes)
+        small = nbytes <= K_SMALL_SIZE
+        amounts = (1, 1, nbytes, nbytes, nbytes, nbytes, 1, 1, nbytes, nbytes)
+        for stat, amount in zip(self._pools[small], amounts, strict=True):
+            current = stat[0] + amount
+            stat[0] = current
+            stat[2] += amount
+            if current > stat[1]:
+                stat[1] = current
+            if current > stat[4]:
+                stat[4] = current
+        self.table.counters["num_device_alloc"] += 1
+        handle = self._next_handle
+        self._next_handle = handle + 1
+        self._live[handle] = nbytes
+        return handle
+
+    def free(self, handle: int) -> None:
+        """Release the segment of ``handle`` at once. ``free(0)`` does nothing; an unknown or
+        already freed handle raises ``ValueError``."""
+        nbytes = self._live.pop(handle, None)
+        if nbytes is None:
+            if handle == 0 and type(handle) is int:
+                return
+            raise self._bad_handle(handle)
+        amounts = (1, 1, nbytes, nbytes, nbytes, nbytes, 1, 1, nbytes, nbytes)
+        for stat, amount in zip(self._pools[nbytes <= K_SMALL_SIZE], amounts, strict=True):
+            stat[0] -= amount
+            stat[3] += amount
+        self.table.counters["num_device_free"] += 1
+
+    def empty_cache(self) -> None:
+        """Nothing is cached, so nothing happens (no counter changes)."""
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One segment per live allocation, each holding one block of exactly the requested size."""
+        return [
+            {
+                "address": handle,
+                "total_size": nbytes,
+                "allocated_size": nbytes,
+                "requested_size": nbytes,
+                "segment_type": "small" if nbytes <= K_SMALL_SIZE else "large",
+                "is_expandable": False,
+                "blocks": [
+                    {
+                        "address": handle,
+                        "size": nbytes,
+                        "requested_size": nbytes,
+                        "allocated": True,
+                        "state": "active_allocated",
+                    }
+                ],
+            }
+            for handle, nbytes in self._live.items()
+        ]

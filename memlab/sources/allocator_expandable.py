@@ -1,0 +1,306 @@
+"""``expandable_segments:True``: one growing segment per pool instead of one ``cudaMalloc`` per segment.
+
+Follows ``CUDACachingAllocator.cpp`` (Note [Expandable Segments]) for one stream: each pool owns a
+large virtual address range; physical pages (2 MiB for the small pool, 20 MiB for the large pool)
+are mapped at the lowest address where a request fits, counted in ``reserved_bytes`` and
+``num_device_alloc`` (one per mapping call), and unmapped page by page on ``empty_cache()`` or the
+retry path (``num_device_free`` per unmapped range). Blocks split whenever the remainder is at
+least 512 B, in both pools. As in PyTorch, mappings do not count as ``segment``/``oversize_segments``
+and expandable blocks are left out of ``inactive_split``.
+
+Simplifications, all invisible unless noted: the address range is unbounded, so a second
+expandable segment is never needed (PyTorch reserves 1⅛ × the device memory and starts another
+segment only when that range is too fragmented); with ``max_split_size_mb`` the retry path skips
+``release_available_cached_blocks`` (PyTorch asserts there, since expandable blocks cannot be
+``cudaFree``'d).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
+
+from memlab.sources.allocator_blocks import KEY_SHIFT, Block, BlockPool, block_info, change_pair
+from memlab.sources.allocator_config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, allocation_size
+
+if TYPE_CHECKING:
+    from memlab.sources.allocator import CachingAllocatorModel
+
+__all__ = ["ExpandableSegments"]
+
+_ADDRESS_SPACE = 1 << 50  # bytes of virtual address space per expandable segment (1 PiB)
+
+
+class _Segment:
+    """One pool's expandable segment: its address range and its unmapped blocks by address."""
+
+    __slots__ = ("base", "end", "page", "unmapped", "unmapped_addrs")
+
+    def __init__(self, base: int, page: int) -> None:
+        self.base = base
+        self.page = page
+        self.end = base + _ADDRESS_SPACE // page * page
+        self.unmapped_addrs: list[int] = []
+        self.unmapped: list[Block] = []
+
+    def add_unmapped(self, block: Block) -> None:
+        i = bisect_left(self.unmapped_addrs, block.addr)
+        self.unmapped_addrs.insert(i, block.addr)
+        self.unmapped.insert(i, block)
+
+    def remove_unmapped(self, block: Block) -> None:
+        i = bisect_left(self.unmapped_addrs, block.addr)
+        del self.unmapped_addrs[i]
+        del self.unmapped[i]
+
+
+def _allocatable(block: Block | None) -> bool:
+    return block is not None and not block.allocated
+
+
+def _expandable_size(block: Block) -> int:
+    nxt = block.next
+    return block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+
+
+class ExpandableSegments:
+    """The expandable-segment half of a :class:`CachingAllocatorModel` (see the module docstring)."""
+
+    def __init__(self, model: CachingAllocatorModel) -> None:
+        self.model = model
+        self.segments: dict[BlockPool, _Segment] = {}
+
+    # -- malloc ------------------------------------------------------------------------------------
+
+    def take_block(self, pool: BlockPool, size: int) -> Block:
+        """A block of ``size`` rounded bytes, marked neither allocated nor counted yet: the best
+        fitting free block, or freshly mapped pages; split when at least 512 B remain."""
+        block = self._get_free_block(pool, size)
+        if block is None:
+            block = self._try_allocate(pool, size)
+            if block is None:
+                self.model._release_cached_blocks()
+                self.model.table.counters["num_alloc_retries"] += 1
+                block = self._try_allocate(pool, size)
+            if block is None:
+                raise self.model._oom(allocation_size(size))
+        remaining = block.size - size
+        if remaining >= K_MIN_BLOCK_SIZE:
+            rest = block
+            block = Block(rest.addr, size, pool)
+            block.prev = rest.prev
+            if block.prev is not None:
+                block.prev.next = block
+            block.next = rest
+            rest.prev = block
+            rest.addr += size
+            rest.size = remaining
+            pool.insert(rest)
+        return block
+
+    def _get_free_block(self, pool: BlockPool, size: int) -> Block | None:
+        keys = pool.keys
+        blocks = pool.blocks
+        i = bisect_left(keys, size << KEY_SHIFT)
+        if i == len(keys):
+            return None
+        # best fit counts a block at the end of the mapped range as able to grow into unmapped space
+        while i + 1 < len(keys) and _expandable_size(blocks[i + 1]) < _expandable_size(blocks[i]):
+            i += 1
+        block = blocks[i]
+        config = self.model.config
+        max_split = config.max_split_size
+        if (size < max_split <= block.size) or (
+            size >= max_split and block.size >= size + config.max_non_split_rounding_size
+        ):
+            return None
+        del keys[i]
+        del blocks[i]
+        return block
+
+    def _segment(self, pool: BlockPool) -> _Segment:
+        segment = self.segments.get(pool)
+        if segment is None:
+            model = self.model
+            segment = _Segment(model._next_addr, K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER)
+            model._next_addr = segment.end
+            whole = Block(segment.base, segment.end - segment.base, pool)
+            whole.mapped = False
+            segment.add_unmapped(whole)
+            self.segments[pool] = segment
+        return segment
+
+    def _try_allocate(self, pool: BlockPool, size: int) -> Block | None:
+        """``try_allocate_expandable_block``: map pages at the lowest address where ``size`` fits."""
+        segment = self._segment(pool)
+        candidate = self._find_expandable_block(segment, size)
+        if not candidate.mapped and not self._map_block(pool, segment, candidate, min(candidate.size, size)):
+            return None
+        while candidate.size < size:
+            following = candidate.next
+            assert following is not None and not following.mapped
+            if not self._map_block(pool, segment, following, min(size - candidate.size, following.size)):
+                return None
+            candidate = following
+        pool.remove(candidate)
+        return candidate
+
+    def _find_expandable_block(self, segment: _Segment, size: int) -> Block:
+        for block in segment.unmapped:
+            candidate = block.prev if _allocatable(block.prev) else block
+            assert candidate is not None
+            room = 0
+            walker: Block | None = candidate
+            while room < size and _allocatable(walker):
+                assert walker is not None
+                room += walker.size
+                walker = walker.next
+            if room >= size:
+                return candidate
+        raise AssertionError("an unbounded expandable segment always has room")  # pragma: no cover
+
+    def _map_block(self, pool: BlockPool, segment: _Segment, to_map: Block, size: int) -> bool:
+        page = segment.page
+        mapped = -(-size // page) * page
+        model = self.model
+        capacity = model.capacity
+        if capacity is not None and model.table.stats["reserved_bytes.all"][0] + mapped > capacity:
+            return False
+        segment.remove_unmapped(to_map)
+        to_map.mapped = True
+        if mapped < to_map.size:
+            rest = Block(to_map.addr + mapped, to_map.size - mapped, pool)
+            rest.mapped = False
+            rest.prev = to_map
+            rest.next = to_map.next
+            if rest.next is not None:
+                rest.next.prev = rest
+            to_map.next = rest
+            to_map.size = mapped
+            segment.add_unmapped(rest)
+        self._merge_free_neighbours(to_map)
+        pool.insert(to_map)
+        change_pair(pool.reserved_bytes, mapped)
+        model.table.counters["num_device_alloc"] += 1
+        return True
+
+    # -- free -----------------------------------------------------------------------------------------
+
+    def give_back(self, block: Block) -> None:
+        """``free_block`` for an expandable block: merge with free mapped neighbours, cache it."""
+        self._merge_free_neighbours(block)
+        block.pool.insert(block)
+
+    @staticmethod
+    def _merge_free_neighbours(block: Block) -> None:
+        pool = block.pool
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.mapped:
+            pool.remove(prev)
+            block.addr = prev.addr
+            block.size += prev.size
+            block.prev = prev.prev
+            if block.prev is not None:
+                block.prev.next = block
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and nxt.mapped:
+            pool.remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if block.next is not None:
+                block.next.prev = block
+
+    # -- giving memory back -----------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """``release_blocks`` for expandable segments: unmap every whole free page (large pool
+        first); a segment left with no mapped page is dropped."""
+        model = self.model
+        for pool in (model._large, model._small):
+            segment = self.segments.get(pool)
+            if segment is None:
+                continue
+            for block in list(pool.blocks):
+                self._unmap_block(pool, segment, block)
+            if len(segment.unmapped) == 1 and segment.unmapped[0].size == segment.end - segment.base:
+                del self.segments[pool]
+
+    def _unmap_block(self, pool: BlockPool, segment: _Segment, block: Block) -> None:
+        page = segment.page
+        first = -(-(block.addr - segment.base) // page)
+        last = (block.addr + block.size - segment.base) // page
+        if first >= last:
+            return
+        start = segment.base + first * page
+        stop = segment.base + last * page
+        pool.remove(block)
+        if start > block.addr:
+            before = Block(block.addr, start - block.addr, pool)
+            before.prev = block.prev
+            if before.prev is not None:
+                before.prev.next = before
+            before.next = block
+            block.prev = before
+            pool.insert(before)
+        end = block.addr + block.size
+        if end > stop:
+            after = Block(stop, end - stop, pool)
+            after.next = block.next
+            if after.next is not None:
+                after.next.prev = after
+            after.prev = block
+            block.next = after
+            pool.insert(after)
+        block.addr = start
+        block.size = stop - start
+        block.mapped = False
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.mapped:
+                segment.remove_unmapped(neighbour)
+                if neighbour is block.prev:
+                    block.addr = neighbour.addr
+                    block.prev = neighbour.prev
+                    if block.prev is not None:
+                        block.prev.next = block
+                else:
+                    block.next = neighbour.next
+                    if block.next is not None:
+                        block.next.prev = block
+                block.size += neighbour.size
+        segment.add_unmapped(block)
+        change_pair(pool.reserved_bytes, -(stop - start))
+        self.model.table.counters["num_device_free"] += 1
+
+    # -- inspection ---------------------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One reported segment per contiguous mapped range, as ``torch.cuda.memory_snapshot()`` does."""
+        model = self.model
+        result = []
+        for pool, segment in self.segments.items():
+            live = [b for b in model._live.values() if b.pool is pool]
+            head = min(live + pool.blocks + segment.unmapped, key=lambda b: b.addr)
+            block: Block | None = head
+            current: dict[str, Any] | None = None
+            while block is not None:
+                if not block.mapped:
+                    current = None
+                else:
+                    if current is None:
+                        current = {
+                            "address": block.addr,
+                            "total_size": 0,
+                            "allocated_size": 0,
+                            "requested_size": 0,
+                            "segment_type": "small" if pool.small else "large",
+                            "is_expandable": True,
+                            "blocks": [],
+                        }
+                        result.append(current)
+                    current["blocks"].append(block_info(block))
+                    current["total_size"] += block.size
+                    if block.allocated:
+                        current["allocated_size"] += block.size
+                        current["requested_size"] += block.requested
+                block = block.next
+        return sorted(result, key=lambda s: s["address"])
