@@ -15,6 +15,7 @@ from memlab.line_profiler import (
     set_target_gpu,
 )
 from memlab.reporter import MemReporter
+from memlab.sources.allocator import CachingAllocatorModel
 from memlab.sources.stats import STAT_KEYS
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_COLUMNS",
     "STAT_KEYS",
+    "CachingAllocatorModel",
     "Courtesy",
     "LineProfiler",
     "MemReporter",
