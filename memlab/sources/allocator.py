@@ -58,9 +58,17 @@ class CachingAllocatorModel(AllocatorBase):
     ``PYTORCH_CUDA_ALLOC_CONF``-style string (see :func:`parse_alloc_conf`); ``None`` reads the
     environment. ``table`` is the live :class:`StatTable` (for cheap samplers).
 
-    Not modelled: streams and events (``active == allocation`` always), CUDA graphs, memory
-    fractions, kernel workspaces, the CUDA context, other processes and the driver's page
-    granularity (``capacity`` is compared with reserved bytes exactly).
+    Memory is in bytes throughout. With ``capacity`` a new segment that does not fit triggers
+    PyTorch's fallbacks in order: free enough oversize cached segments (only with
+    ``max_split_size_mb``), then free every unsplit cached segment and count
+    ``num_alloc_retries``, then raise ``torch.OutOfMemoryError`` with PyTorch's message and count
+    ``num_ooms``. ``expandable_segments:True`` switches to the model in
+    :mod:`memlab.sources.allocator_expandable`.
+
+    Not modelled: streams and events (``active == allocation`` always), CUDA graphs and private
+    pools, memory fractions and garbage collection (which needs one), free-memory callbacks,
+    kernel workspaces, the CUDA context, other processes, and the driver's page granularity
+    (``capacity`` is compared with reserved bytes exactly).
     """
 
     def __init__(self, capacity: int | str | None = None, config: str | None = None) -> None:
@@ -74,7 +82,6 @@ class CachingAllocatorModel(AllocatorBase):
         self._oversize_allocations = self.table.stats["oversize_allocations"]
         self._oversize_segments = self.table.stats["oversize_segments"]
         self._next_addr = 0x7F0000000000  # where the first invented segment starts
-        self._segments: dict[int, int] = {}  # address -> size of every cudaMalloc'd segment
         self._expandable = ExpandableSegments(self) if self.config.expandable_segments else None
 
     # -- the hot path -------------------------------------------------------------------------
@@ -334,7 +341,6 @@ class CachingAllocatorModel(AllocatorBase):
             return None
         addr = self._next_addr
         self._next_addr = addr + alloc_size
-        self._segments[addr] = alloc_size
         change_pair(pool.segment, 1)
         change_pair(pool.reserved_bytes, alloc_size)
         if alloc_size >= self._max_split:
@@ -360,7 +366,6 @@ class CachingAllocatorModel(AllocatorBase):
     def _release_block(self, block: Block) -> None:
         pool = block.pool
         pool.remove(block)
-        del self._segments[block.addr]
         change_pair(pool.segment, -1)
         change_pair(pool.reserved_bytes, -block.size)
         if block.size >= self._max_split:

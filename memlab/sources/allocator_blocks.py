@@ -67,6 +67,8 @@ def oom_message(tried: int, capacity: int, free: int, allocated: int, reserved: 
 
 
 def check_nbytes(nbytes: Any) -> int:
+    """``nbytes`` as an int number of bytes: ``TypeError`` unless int-like (bools are not),
+    ``ValueError`` if negative."""
     if isinstance(nbytes, bool):
         raise TypeError(f"nbytes must be an int number of bytes, got bool {nbytes!r}")
     try:
@@ -81,6 +83,8 @@ def check_nbytes(nbytes: Any) -> int:
 
 
 def huge_request() -> torch.OutOfMemoryError:
+    """The error PyTorch's ``allocate`` raises for 1 EiB or more, before the allocator sees it
+    (so ``num_ooms`` does not count it)."""
     return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
 
 
@@ -186,12 +190,14 @@ class BlockPool:
         self.split = self.inactive_split + self.inactive_split_bytes
 
     def insert(self, block: Block) -> None:
+        """Cache a free block (kept sorted for best fit)."""
         key = (block.size << KEY_SHIFT) | block.addr
         i = bisect_left(self.keys, key)
         self.keys.insert(i, key)
         self.blocks.insert(i, block)
 
     def remove(self, block: Block) -> None:
+        """Take a cached free block out of the pool."""
         i = bisect_left(self.keys, (block.size << KEY_SHIFT) | block.addr)
         del self.keys[i]
         del self.blocks[i]
@@ -224,6 +230,7 @@ def change_split(split: tuple[list[int], ...], blocks: int, nbytes: int) -> None
 
 
 def block_info(block: Block) -> dict[str, Any]:
+    """A block as a snapshot entry: address, granted size, requested size (0 when free), state."""
     return {
         "address": block.addr,
         "size": block.size,
