@@ -69,6 +69,7 @@ class ExpandableSegments:
     def __init__(self, model: CachingAllocatorModel) -> None:
         self.model = model
         self.segments: dict[BlockPool, _Segment] = {}
+        self._bases: dict[BlockPool, int] = {}  # a pool's address range, reused when it is recreated
 
     # -- malloc ------------------------------------------------------------------------------------
 
@@ -122,8 +123,11 @@ class ExpandableSegments:
         segment = self.segments.get(pool)
         if segment is None:
             model = self.model
-            segment = _Segment(model._next_addr, K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER)
-            model._next_addr = segment.end
+            base = self._bases.get(pool)
+            if base is None:
+                base = self._bases[pool] = model._next_addr
+                model._next_addr += _ADDRESS_SPACE
+            segment = _Segment(base, K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER)
             whole = Block(segment.base, segment.end - segment.base, pool)
             whole.mapped = False
             segment.add_unmapped(whole)

@@ -509,6 +509,15 @@ def test_expandable_empty_cache_returns_everything_once_all_is_free():
     assert m.snapshot() == []
 
 
+def test_expandable_segment_recreated_after_empty_cache_reuses_its_address_range():
+    m = expandable()
+    m.free(m.malloc(30 * MiB))
+    first = m.snapshot()[0]["address"]
+    m.empty_cache()
+    m.malloc(30 * MiB)
+    assert m.snapshot()[0]["address"] == first
+
+
 def test_expandable_capacity_retries_then_raises_out_of_memory():
     m = expandable(capacity=40 * MiB)
     m.malloc(30 * MiB)
