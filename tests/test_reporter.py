@@ -127,7 +127,7 @@ def test_adamw_state_is_named_and_totals_twice_the_parameter_bytes():
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(4, 64)).sum().backward()
     optimizer.step()
-    reporter = MemReporter(model)
+    reporter = MemReporter(model, pre_collect=True)
     reporter.add_optimizer(optimizer)
     frame = reporter.to_dataframe(device="cpu")
     state = frame[frame["category"] == "optimizer state"]
@@ -139,13 +139,15 @@ def test_adamw_state_is_named_and_totals_twice_the_parameter_bytes():
         "AdamW.0.bias.exp_avg",
         "AdamW.0.bias.exp_avg_sq",
     ]
-    parameter_bytes = frame[frame["category"] == "parameter"]["memory"].sum()
+    parameter_bytes = frame[frame["name"].isin(["0.weight", "0.bias"])]["memory"].sum()
     assert parameter_bytes == 64 * 32 * 4 + 32 * 4 == 8320
     moments = state[state["name"].str.contains("exp_avg")]["memory"].sum()
     assert moments == 2 * parameter_bytes
     # the per-parameter step counters are 0-dim float32 tensors: 4 B each on top
     assert state["memory"].sum() == 2 * parameter_bytes + 2 * 4
-    assert list(frame[frame["category"] == "gradient"]["name"]) == ["0.weight.grad", "0.bias.grad"]
+    grads = frame[frame["name"].str.startswith("0.")]
+    assert list(grads["name"]) == ["0.weight", "0.weight.grad", "0.bias", "0.bias.grad"]
+    assert list(grads["category"]) == ["parameter", "gradient", "parameter", "gradient"]
 
 
 def test_optimizer_state_without_a_model_is_named_by_parameter_index():
@@ -154,7 +156,7 @@ def test_optimizer_state_without_a_model_is_named_by_parameter_index():
     optimizer = torch.optim.AdamW([weight, bias])
     (weight.sum() + bias.sum()).backward()
     optimizer.step()
-    reporter = MemReporter()
+    reporter = MemReporter(pre_collect=True)
     reporter.add_optimizer(optimizer)
     frame = reporter.to_dataframe()
     state = frame[frame["category"] == "optimizer state"]
@@ -163,7 +165,8 @@ def test_optimizer_state_without_a_model_is_named_by_parameter_index():
     ]
     assert list(state["memory"]) == [4, 256, 256, 4, 32, 32]
     grads = frame[frame["category"] == "gradient"]
-    assert len(grads) == 2 and all(re.fullmatch(r"Parameter\d+\.grad", n) for n in grads["name"])
+    assert list(grads["memory"]) == [256, 32]
+    assert all(re.fullmatch(r"Parameter\d+\.grad", n) for n in grads["name"])
 
 
 def test_categories_cover_parameters_buffers_gradients_state_and_others():
