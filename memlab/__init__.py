@@ -17,6 +17,7 @@ from memlab.line_profiler import (
 from memlab.reporter import MemReporter
 from memlab.sources.allocator import CachingAllocatorModel
 from memlab.sources.stats import STAT_KEYS
+from memlab.sources.tracker import TensorTracker
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "Courtesy",
     "LineProfiler",
     "MemReporter",
+    "TensorTracker",
     "__version__",
     "clear_global_line_profiler",
     "profile",
