@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 from memlab._units import parse_size
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
@@ -47,41 +46,38 @@ class _StorageRef(weakref.ref):
     __slots__ = ("allocator", "handle", "key", "nbytes")
 
 
-def _alias_flags(func: Any) -> tuple[bool, bool]:
-    """(outputs alias an input, outputs are written in place) according to the op's schema."""
-    infos = [ret.alias_info for ret in func._schema.returns]
-    return (
-        any(info is not None for info in infos),
-        any(info is not None and info.is_write for info in infos),
-    )
+class _OpKind:
+    """What an op's schema says about its outputs, computed once per op."""
+
+    __slots__ = ("aliases", "fresh", "resize", "writes")
+
+    def __init__(self, func: Any) -> None:
+        infos = [ret.alias_info for ret in func._schema.returns]
+        self.aliases = any(info is not None for info in infos)
+        self.writes = any(info is not None and info.is_write for info in infos)
+        self.fresh = func in _FRESH_ALIASES
+        self.resize = func is torch.ops.aten.resize_.default
 
 
-def _iter_tensors(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for item in out:
-            if isinstance(item, torch.Tensor):
-                yield item
-            elif item is not None:
-                yield from (t for t in tree_leaves(item) if isinstance(t, torch.Tensor))
-
-
-def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages behind ``tensor``; a wrapper subclass is flattened to its inner tensors."""
-    if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        for attr in attrs:
-            yield from _storages(getattr(tensor, attr))
-        return
-    if tensor.is_sparse:
-        yield from _storages(tensor._indices())
-        yield from _storages(tensor._values())
-        return
-    try:
-        yield tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
-        return
+def _collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:
+    """Append the storages of every tensor in ``obj`` (a tensor or nested lists/tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is torch.Tensor and obj.layout is torch.strided:
+            into.append(obj.untyped_storage())
+        elif is_traceable_wrapper_subclass(obj):
+            attrs, _ = obj.__tensor_flatten__()
+            for attr in attrs:
+                _collect_storages(getattr(obj, attr), into)
+        elif obj.is_sparse:
+            _collect_storages((obj._indices(), obj._values()), into)
+        else:
+            try:
+                into.append(obj.untyped_storage())
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+                pass
+    elif type(obj) is list or type(obj) is tuple:
+        for item in obj:
+            _collect_storages(item, into)
 
 
 class TensorTracker(TorchDispatchMode):
@@ -118,7 +114,7 @@ class TensorTracker(TorchDispatchMode):
         self._allocators: dict[torch.device, Any] = {}
         self._live: dict[int, _StorageRef] = {}
         self._pending: deque[_StorageRef] = deque()
-        self._flags: dict[Any, tuple[bool, bool]] = {}
+        self._kinds: dict[Any, _OpKind] = {}
 
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> TensorTracker:
@@ -135,33 +131,30 @@ class TensorTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._pending:
             self._drain()
-        flags = self._flags.get(func)
-        if flags is None:
-            flags = self._flags[func] = _alias_flags(func)
-        aliases, writes = flags
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _OpKind(func)
+        outputs: list[torch.UntypedStorage] = []
+        _collect_storages(out, outputs)
         inputs: set[int] | None = None
         live = self._live
-        for tensor in _iter_tensors(out):
-            for storage in _storages(tensor):
-                ref = live.get(id(storage))
-                if ref is not None:
-                    if writes and ref.nbytes != storage.nbytes():
-                        self._resize(ref, storage)
-                    continue
-                if func in _FRESH_ALIASES:
-                    self._track(storage)
-                    continue
-                if aliases:
-                    if writes and func is torch.ops.aten.resize_.default:
-                        self._track(storage)  # a pre-existing storage grown here: the growth is new
-                    continue
+        for storage in outputs:
+            ref = live.get(id(storage))
+            if ref is not None:
+                if kind.writes and ref.nbytes != storage.nbytes():
+                    self._resize(ref, storage)
+            elif kind.fresh:
+                self._track(storage)
+            elif kind.aliases:
+                if kind.resize:
+                    self._track(storage)  # a pre-existing storage grown here: the growth is new
+            else:
+                # Some ops alias an input without saying so in their schema (_unsafe_view):
+                # a storage that came in is never new.
                 if inputs is None:
-                    inputs = {
-                        id(s)
-                        for t in tree_leaves((args, kwargs))
-                        if isinstance(t, torch.Tensor)
-                        for s in _storages(t)
-                    }
+                    found: list[torch.UntypedStorage] = []
+                    _collect_storages((args, tuple(kwargs.values()) if kwargs else ()), found)
+                    inputs = {id(s) for s in found}
                 if id(storage) not in inputs:
                     self._track(storage)
         return out
