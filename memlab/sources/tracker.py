@@ -10,6 +10,7 @@ numbers a GPU would show.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -111,6 +112,8 @@ class TensorTracker(TorchDispatchMode):
             )
         self.allocator = allocator
         self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
+        self._new_allocator = functools.partial(_ALLOCATORS[allocator], capacity=self.capacity)
+        self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
         self._live: dict[int, _StorageRef] = {}
         self._pending: deque[_StorageRef] = deque()
@@ -162,7 +165,7 @@ class TensorTracker(TorchDispatchMode):
     def _allocator_for(self, device: torch.device) -> Any:
         allocator = self._allocators.get(device)
         if allocator is None:
-            allocator = self._allocators[device] = _ALLOCATORS[self.allocator](capacity=self.capacity)
+            allocator = self._allocators[device] = self._new_allocator()
         return allocator
 
     def _track(self, storage: torch.UntypedStorage) -> None:

@@ -289,6 +289,21 @@ def test_capacity_must_be_a_size():
         memlab.TensorTracker(capacity=-1)
 
 
+def test_bad_allocator_environment_fails_at_construction(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    with pytest.raises(ValueError, match="cudaMallocAsync"):
+        memlab.TensorTracker()
+    assert isinstance(memlab.TensorTracker(allocator=None), memlab.TensorTracker)
+
+
+def test_allocator_environment_is_honoured(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")
+    with memlab.TensorTracker() as tracker:
+        a = torch.empty(1100 * 1024, dtype=torch.uint8)  # 1.07 MiB -> next 1/4 power-of-two step
+    assert tracker.memory_allocated() == 1280 * 1024
+    del a
+
+
 def test_bad_device_names_are_errors():
     tracker = memlab.TensorTracker()
     with pytest.raises(ValueError, match="'gpu0' is not a device; valid forms are"):
