@@ -104,6 +104,14 @@ def _local_factory(layout: ColumnLayout) -> Callable[..., TraceFunction]:
     return namespace["make_local"]
 
 
+def _skip_retired(trace: TraceFunction | None) -> TraceFunction | None:
+    """``trace``, or the first live function it chains to if ``trace`` is a memlab trace function
+    whose profiler was disabled while another tool sat on top of it (it only forwards now)."""
+    while getattr(trace, "memlab_live", (True,))[0] is False:
+        trace = trace.memlab_previous  # type: ignore[union-attr]
+    return trace
+
+
 class Tracer:
     """Installs memlab's trace functions and turns line events into :class:`LineRecords` rows.
 
@@ -139,7 +147,7 @@ class Tracer:
         with memlab's trace function hand it back to what they had at their start."""
         self._thread_hook_live[0] = False
         if threading.gettrace() is self._thread_hook:
-            threading.settrace(self._previous_thread_hook)  # type: ignore[arg-type]
+            threading.settrace(_skip_retired(self._previous_thread_hook))  # type: ignore[arg-type]
         self._thread_hook = None
 
     # -- one thread -----------------------------------------------------------------------------
@@ -167,7 +175,7 @@ class Tracer:
         live[0] = False
         current = sys.gettrace()
         if current is trace or current is None:
-            sys.settrace(previous)
+            sys.settrace(_skip_retired(previous))
 
     # -- trace functions ------------------------------------------------------------------------
     def _global_trace(
@@ -183,10 +191,12 @@ class Tracer:
                     other = previous(frame, event, arg) if previous is not None else None
                     return enter(frame, record, other)
             elif thread_hook and sys.gettrace() is trace:
-                sys.settrace(previous)
+                sys.settrace(_skip_retired(previous))
             return previous(frame, event, arg) if previous is not None else None
 
         trace.memlab_owner = self._owner  # type: ignore[attr-defined]
+        trace.memlab_live = live  # type: ignore[attr-defined]
+        trace.memlab_previous = previous  # type: ignore[attr-defined]
         return trace
 
     def _parent_box(self, frame: FrameType) -> list[Any] | None:
