@@ -294,17 +294,18 @@ class LineProfiler(ByCountProfilerMixin):
             )
         return self._records.tables(self._codes(func), columns)
 
-    def display(self, func: Any = None, columns: str | Iterable[str] = DEFAULT_COLUMNS) -> _display.LineStats:
-        """The per-line statistics of ``func`` (default: every registered function) for ``columns``,
-        as an object that prints as text (``repr``) and renders as HTML in notebooks. Byte columns
-        print as 1024-based sizes (``40.00K``); lines that never ran are blank."""
-        columns = validate_columns(columns)
+    def display(self, func: Any = None, columns: str | Iterable[str] | None = None) -> _display.LineStats:
+        """The per-line statistics of ``func`` (default: every registered function) for ``columns``
+        (default: the recorded statistics, :data:`DEFAULT_COLUMNS` unless chosen otherwise), as an
+        object that prints as text (``repr``) and renders as HTML in notebooks. Byte columns print
+        as 1024-based sizes (``40.00K``); lines that never ran are blank."""
+        columns = self._records.layout.keys if columns is None else validate_columns(columns)
         return _display.LineStats(self._tables(func, columns), columns)
 
     def print_stats(
         self,
         func: Any = None,
-        columns: str | Iterable[str] = DEFAULT_COLUMNS,
+        columns: str | Iterable[str] | None = None,
         stream: IO[str] | None = None,
     ) -> None:
         """Write :meth:`display` as text to ``stream`` (``None``: ``sys.stdout`` as it is now)."""

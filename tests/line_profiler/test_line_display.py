@@ -1,0 +1,161 @@
+"""Renderers of the same records: text, HTML, DataFrame, JSON and CSV."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pandas as pd
+import pytest
+import torch
+
+import memlab
+from memlab.line_profiler import read_csv, read_json
+
+U8 = torch.uint8
+COLUMNS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
+
+
+def branch(flag):
+    if flag:
+        block = torch.empty(2048, dtype=U8)
+    else:
+        block = torch.empty(1024, dtype=U8)
+    return block
+
+
+def never_called():
+    return 1
+
+
+def line(func, offset):
+    return func.__code__.co_firstlineno + offset
+
+
+@pytest.fixture
+def profiled(exact):
+    lp = memlab.LineProfiler(branch, never_called, columns=COLUMNS)
+    with lp:
+        branch(True)
+    return lp
+
+
+def test_text_leaves_lines_that_never_ran_blank(profiled):
+    assert repr(profiled.display(branch, COLUMNS)) == (
+        "## branch\n"
+        "\n"
+        "allocated_bytes reserved_bytes line  code\n"
+        "            all            all\n"
+        "           peak           peak\n"
+        f"          0.00B          0.00B {line(branch, 0):>4}  def branch(flag):\n"
+        f"          0.00B          0.00B {line(branch, 1):>4}      if flag:\n"
+        f"          2.00K          2.00K {line(branch, 2):>4}          block = torch.empty(2048, dtype=U8)\n"
+        f"                               {line(branch, 3):>4}      else:\n"
+        f"                               {line(branch, 4):>4}          block = torch.empty(1024, dtype=U8)\n"
+        f"          2.00K          2.00K {line(branch, 5):>4}      return block\n"
+    )
+
+
+def test_text_reports_a_registered_function_that_never_ran(profiled):
+    assert repr(profiled.display(never_called)) == (
+        "## never_called\n\nregistered, but never called while profiling\n"
+    )
+
+
+def test_text_shows_hits_delta_and_keys_with_fewer_parts(profiled):
+    lp = memlab.LineProfiler(branch, columns=("num_alloc_retries", "oversize_allocations.peak"))
+    with lp:
+        branch(False)
+    text = repr(lp.display(branch, ("hits", "delta", "num_alloc_retries", "oversize_allocations.peak")))
+    assert text.splitlines()[2:6] == [
+        "hits delta num_alloc_retries oversize_allocations line  code",
+        "",
+        " " * 45 + "peak",
+        f"   1 0.00B                 0                    0 {line(branch, 0):>4}  def branch(flag):",
+    ]
+    assert text.splitlines()[9] == (
+        f"   1 1.00K                 0                    0 {line(branch, 4):>4}"
+        "          block = torch.empty(1024, dtype=U8)"
+    )
+
+
+def test_display_of_all_functions_joins_them_in_registration_order(profiled):
+    text = repr(profiled.display(columns=COLUMNS))
+    assert text.startswith("## branch\n")
+    assert text.endswith("\n\n\n## never_called\n\nregistered, but never called while profiling\n")
+
+
+def test_html_draws_a_bar_per_column_scaled_to_its_largest_value(profiled):
+    html = profiled.display(branch, COLUMNS)._repr_html_()
+    assert html.startswith('<h3><span style="font-family: monospace">branch</span></h3>')
+    assert html.count("linear-gradient(90deg, #4878d0 100.0%, transparent 100.0%)") == 2
+    assert html.count("linear-gradient(90deg, #ee854a 100.0%, transparent 100.0%)") == 2
+    assert "block = torch.empty(2048, dtype=U8)" in html
+    assert "<th>allocated_bytes</th><th>reserved_bytes</th><th>line</th><th>code</th>" in html
+
+
+def test_html_escapes_source_and_reports_functions_that_never_ran(profiled):
+    html = profiled.display(never_called)._repr_html_()
+    assert "<p>registered, but never called while profiling</p>" in html
+
+
+def test_print_stats_writes_to_sys_stdout_as_it_is_when_called(profiled):
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        profiled.print_stats(branch, COLUMNS)
+    assert captured.getvalue() == repr(profiled.display(branch, COLUMNS))
+
+
+def test_print_stats_writes_to_a_given_stream(profiled):
+    stream = io.StringIO()
+    profiled.print_stats(never_called, stream=stream)
+    assert stream.getvalue() == "## never_called\n\nregistered, but never called while profiling\n"
+
+
+def test_to_dataframe_has_one_row_per_source_line_and_nullable_integers(profiled):
+    frame = profiled.to_dataframe(branch)
+    first = line(branch, 0)
+    assert list(frame.columns) == ["hits", *COLUMNS, "delta", "code"]
+    assert frame.index.names == ["function", "line"]
+    assert list(frame.index) == [("branch", first + i) for i in range(6)]
+    assert [str(t) for t in frame.dtypes[:4]] == ["Int64", "Int64", "Int64", "Int64"]
+    assert frame.loc[("branch", first + 2)].tolist() == [
+        1,
+        2048,
+        2048,
+        2048,
+        "        block = torch.empty(2048, dtype=U8)",
+    ]
+    assert frame.loc[("branch", first + 4), "hits"] is pd.NA
+
+
+def test_json_export_reads_back_into_the_same_dataframe(profiled):
+    text = profiled.to_json()
+    pd.testing.assert_frame_equal(read_json(text), profiled.to_dataframe())
+
+
+def test_csv_export_reads_back_into_the_same_dataframe(profiled, tmp_path):
+    path = tmp_path / "profile.csv"
+    profiled.to_csv(path)
+    pd.testing.assert_frame_equal(read_csv(path), profiled.to_dataframe())
+
+
+def test_json_file_export_with_chosen_columns_reads_back(profiled, tmp_path):
+    path = tmp_path / "profile.json"
+    profiled.to_json(path, func=branch, columns=("hits", "reserved_bytes.all.peak"))
+    pd.testing.assert_frame_equal(
+        read_json(path), profiled.to_dataframe(branch, ("hits", "reserved_bytes.all.peak"))
+    )
+
+
+def test_functions_are_selected_by_callable_name_or_list(profiled):
+    by_name = profiled.to_dataframe("branch")
+    pd.testing.assert_frame_equal(by_name, profiled.to_dataframe(branch))
+    assert set(profiled.to_dataframe([branch, never_called]).index.get_level_values(0)) == {
+        "branch",
+        "never_called",
+    }
+
+
+def test_a_profiler_without_functions_says_so():
+    assert repr(memlab.LineProfiler().display()) == "No functions registered\n"
