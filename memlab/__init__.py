@@ -21,6 +21,16 @@ from memlab.sources.tracker import TensorTracker
 
 __version__ = "0.1.0"
 
+
+def load_ipython_extension(ipython: object) -> None:
+    """Register memlab's magics (``%mlrun``, ``%%mlrun``, ``%memreport``): ``%load_ext memlab``.
+
+    IPython is imported only here, so importing memlab never imports it."""
+    from memlab.extension import load_ipython_extension as load
+
+    load(ipython)
+
+
 __all__ = [
     "DEFAULT_COLUMNS",
     "STAT_KEYS",
@@ -31,6 +41,7 @@ __all__ = [
     "TensorTracker",
     "__version__",
     "clear_global_line_profiler",
+    "load_ipython_extension",
     "profile",
     "profile_every",
     "set_target_gpu",

@@ -1,0 +1,337 @@
+"""IPython magics: ``%mlrun`` / ``%%mlrun`` (line-by-line memory of named functions) and
+``%memreport`` (every tensor ``gc`` can reach). Load with ``%load_ext memlab``.
+
+A thin shell over the public API: :class:`memlab.LineProfiler` measures, its ``display()``
+renders (HTML in a notebook, text in a terminal), :class:`memlab.MemReporter` reports.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import shlex
+import types
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, needs_local_scope
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from memlab._arguments import columns_shown, device_argument
+from memlab._function_lookup import MISSING, FunctionName, code_function, codes_named, lookup
+from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler
+from memlab.reporter import MemReporter
+
+__all__ = ["MemlabMagics", "load_ipython_extension"]
+
+# Options of %mlrun that take a value: everything after the options is the statement, verbatim.
+_VALUE_OPTIONS = frozenset({"-f", "--function", "-c", "--column", "-g", "--gpu", "-T", "--dump-profile"})
+_SHORT_VALUE_OPTIONS = frozenset("fcgT")
+
+
+def split_statement(line: str) -> tuple[str, str]:
+    """Split a ``%mlrun`` line into its options and the statement that follows them, verbatim.
+
+    Options end at the first word that is neither an option nor an option's value, or at ``--``.
+    """
+    lexer = shlex.shlex(line, posix=True)
+    lexer.whitespace_split = True
+    lexer.commenters = ""
+    stream = lexer.instream
+    expect_value = False
+    while True:
+        start = stream.tell()
+        try:
+            token = lexer.get_token()
+        except ValueError:  # an unbalanced quote: not an option
+            return line[:start], line[start:].strip()
+        if token is None:
+            return line, ""
+        if expect_value:
+            expect_value = False
+        elif token == "--":
+            return line[:start], line[stream.tell() :].strip()
+        elif not token.startswith("-") or token == "-":
+            return line[:start], line[start:].strip()
+        elif token in _VALUE_OPTIONS:
+            expect_value = True
+        elif not token.startswith("--"):
+            for i, flag in enumerate(token[1:], 1):
+                if flag in _SHORT_VALUE_OPTIONS:
+                    expect_value = i == len(token) - 1
+                    break
+
+
+def _bound_names(node: ast.AST) -> set[str]:
+    """Names a top-level statement binds in the namespace (not inside functions or classes)."""
+    names: set[str] = set()
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(current.name)
+            todo.extend(current.decorator_list)
+            continue
+        if isinstance(current, ast.Lambda):
+            continue
+        if isinstance(current, ast.Name) and isinstance(current.ctx, (ast.Store, ast.Del)):
+            names.add(current.id)
+        elif isinstance(current, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in current.names)
+        todo.extend(ast.iter_child_nodes(current))
+    return names
+
+
+class _Cell:
+    """Code typed in IPython, compiled one top-level statement at a time (as IPython runs cells),
+    with its source cached so that profiled functions defined in it show their lines."""
+
+    def __init__(self, shell: Any, source: str) -> None:
+        transformed = shell.transform_cell(source)
+        filename = shell.compile.cache(transformed, shell.execution_count, raw_code=source)
+        tree = shell.transform_ast(shell.compile.ast_parse(transformed, filename=filename))
+        self.statements = [
+            (shell.compile(ast.Module([node], []), filename, "exec"), _bound_names(node))
+            for node in tree.body
+        ]
+        self.bound = set().union(*(bound for _, bound in self.statements))
+
+    def codes_named(self, qualname: str) -> list[types.CodeType]:
+        return [c for code, _ in self.statements for c in codes_named(code, qualname)]
+
+
+class _Functions:
+    """The functions named with ``-f``, registered with the profiler as soon as they exist.
+
+    A function defined in the cell is registered before the cell runs, by its code object. Other
+    names are looked up in the namespace (``module:qualname``: in the module, imported here) before
+    the cell runs, unless the cell binds them, and again after each statement until found.
+    """
+
+    def __init__(self, texts: Iterable[str], cell: _Cell, namespace: Mapping[str, Any], lp: LineProfiler):
+        self.names = []
+        for text in texts:
+            try:
+                self.names.append(FunctionName.parse(text))
+            except ValueError as error:
+                raise UsageError(f"-f: {error}") from None
+        self.namespace, self.profiler = namespace, lp
+        self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
+        self.errors: list[str] = []
+        self.waiting: list[FunctionName] = []
+        for name in self.names:
+            codes = cell.codes_named(name.qualname) if name.module is None else []
+            for code in codes:
+                self._register(name, code_function(code))
+            if not codes:
+                if name.root not in cell.bound:
+                    self._look_up(name)
+                self.waiting.append(name)
+        if self.errors:
+            raise UsageError(self.errors[0])
+
+    def _register(self, name: FunctionName, function: Any) -> None:
+        if any(function is known for known in self.found[name]):
+            return
+        try:
+            self.profiler.add_function(function)
+        except TypeError:
+            self.errors.append(f"-f {name.text}: cannot profile {type(function).__name__} {function!r:.60}")
+            return
+        self.found[name].append(function)
+
+    def _look_up(self, name: FunctionName) -> None:
+        found = lookup(name, self.namespace)
+        if found is MISSING and name.module is not None:
+            try:
+                importlib.import_module(name.module)
+            except ImportError:
+                return
+            found = lookup(name, self.namespace)
+        if found is not MISSING:
+            self._register(name, found)
+
+    def after_statement(self, bound: set[str]) -> None:
+        """Look up again the names not found yet and those whose root the statement rebound."""
+        for name in self.waiting:
+            if not self.found[name] or name.root in bound:
+                self._look_up(name)
+
+    def check(self) -> list[Any]:
+        """The functions found, in the order named; ``UsageError`` for a name never found."""
+        if self.errors:
+            raise UsageError(self.errors[0])
+        missing = [name.text for name, found in self.found.items() if not found]
+        if missing:
+            raise UsageError(
+                f"-f {missing[0]}: no function of that name was defined in the code or found in the "
+                "namespace (write name, Class.method or module:qualname)"
+            )
+        return [function for found in self.found.values() for function in found]
+
+
+def _namespace(user_ns: dict[str, Any], local_ns: dict[str, Any] | None) -> Mapping[str, Any]:
+    """Where names are looked up: the magic's local scope, then the user namespace."""
+    if local_ns is None or local_ns is user_ns:
+        return user_ns
+    return ChainMap(local_ns, user_ns)
+
+
+@magics_class
+class MemlabMagics(Magics):
+    """``%mlrun``, ``%%mlrun`` and ``%memreport``."""
+
+    @magic_arguments()
+    @argument(
+        "-f",
+        "--function",
+        metavar="FUNC",
+        action="append",
+        default=[],
+        help="Function to profile: name, Class.method or module:qualname; repeat for several. "
+        "Functions defined by the code itself can be named.",
+    )
+    @argument(
+        "-c",
+        "--column",
+        metavar="COL",
+        action="append",
+        default=[],
+        help="Statistic to show in addition to the defaults (" + ", ".join(DEFAULT_COLUMNS) + "): any "
+        "key of torch.cuda.memory_stats(), hits or delta; repeat for several.",
+    )
+    @argument("-D", "--no_default_columns", action="store_true", help="Do not show the default columns.")
+    @argument("-r", "--return-profiler", action="store_true", help="Return the LineProfiler.")
+    @argument(
+        "-g",
+        "--gpu",
+        metavar="DEVICE",
+        default="0",
+        help="Device to measure: a CUDA index or a device string such as cpu or cuda:1 (default 0; "
+        "without a GPU, the default device, with the numbers a CUDA GPU would show).",
+    )
+    @argument("-q", "--quiet", action="store_true", help="Show nothing and return nothing (unless -r).")
+    @argument("-T", "--dump-profile", metavar="FILE", help="Also write the table shown, as text, to FILE.")
+    @argument("statement", nargs="*", help="Code to run (line magic); in cell magic, the cell.")
+    @line_cell_magic
+    @needs_local_scope
+    def mlrun(self, line: str = "", cell: str | None = None, local_ns: dict[str, Any] | None = None) -> Any:
+        """Run a statement (``%mlrun``) or a cell (``%%mlrun``) and show the memory of the
+        functions named with ``-f``, line by line.
+
+        Each row is the interval from the start of a line to the start of the next line of the
+        same call: ``*.peak`` columns are the highest value in it, in bytes (``40.00K``), as
+        measured by :class:`memlab.LineProfiler`; calls made on a line count inside it. Without a
+        GPU the numbers come from a :class:`memlab.TensorTracker` replaying the code's tensor
+        allocations through a model of the CUDA caching allocator: what a GPU would show, minus
+        what a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside
+        PyTorch). Returns the table (HTML in a notebook, text in a terminal); with ``-r`` shows
+        it and returns the profiler. If the code raises, the table so far is shown first.
+        """
+        options, statement = split_statement(line)
+        args = parse_argstring(self.mlrun, options)
+        if cell is not None:
+            if statement:
+                raise UsageError(f"%%mlrun takes only options on its first line, got {statement!r}")
+            statement = cell
+        if not statement.strip():
+            raise UsageError(
+                "no statement to run: write %mlrun -f FUNC statement, or %%mlrun -f FUNC over a cell"
+            )
+        if not args.function:
+            raise UsageError(
+                "name the functions to profile with -f FUNC (name, Class.method or module:qualname)"
+            )
+        try:
+            columns = columns_shown(args.no_default_columns, args.column)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        try:
+            profiler = LineProfiler(target_gpu=device_argument(args.gpu), columns=columns)
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"-g {args.gpu}: {error}") from None
+        namespace = _namespace(self.shell.user_ns, local_ns)
+        code = _Cell(self.shell, statement)
+        functions = _Functions(args.function, code, namespace, profiler)
+        try:
+            with profiler:
+                for statement_code, bound in code.statements:
+                    exec(statement_code, self.shell.user_ns, local_ns)
+                    functions.after_statement(bound)
+        except BaseException:
+            self._show(profiler, [f for found in functions.found.values() for f in found], columns, args)
+            raise
+        stats = self._show(profiler, functions.check(), columns, args, returned=not args.return_profiler)
+        if args.return_profiler:
+            return profiler
+        return stats
+
+    def _show(
+        self,
+        lp: LineProfiler,
+        functions: list[Any],
+        columns: tuple[str, ...],
+        args: Any,
+        returned: bool = False,
+    ) -> Any:
+        """Write ``-T``, then display the table unless quiet; return it instead when ``returned``."""
+        if not functions:
+            return None
+        stats = lp.display(functions, columns)
+        if args.dump_profile:
+            with open(args.dump_profile, "w", encoding="utf-8") as file:
+                file.write(repr(stats))
+        if args.quiet:
+            return None
+        if returned:
+            return stats
+        display(stats)
+        return None
+
+    @magic_arguments()
+    @argument("-v", "--verbose", action="store_true", help="Also list tensors sharing a storage.")
+    @argument("-d", "--device", metavar="DEVICE", help="Only this device (cpu, cuda, cuda:1, meta).")
+    @argument("model", nargs="?", help="A torch.nn.Module in the namespace, naming its tensors.")
+    @line_magic
+    @needs_local_scope
+    def memreport(self, line: str = "", local_ns: dict[str, Any] | None = None) -> None:
+        """Print every tensor ``gc`` can reach, per device, each storage counted once.
+
+        A thin shell over :class:`memlab.MemReporter`: ``MODEL`` names parameters, buffers and
+        gradients; optimizers in the namespace name their state (``AdamW.0.weight.exp_avg``).
+        Sizes are storage bytes (``nbytes``; on CUDA rounded to the allocator's 512 B blocks).
+        Not visible: autograd's saved tensors, C++-held buffers, the allocator's cache.
+        """
+        args = parse_argstring(self.memreport, line)
+        namespace = _namespace(self.shell.user_ns, local_ns)
+        model = None
+        if args.model:
+            if not all(part.isidentifier() for part in args.model.split(".")):
+                raise UsageError(f"MODEL {args.model!r} is not a name; write model or model.submodule")
+            model = lookup(FunctionName(args.model, None, args.model), namespace)
+            if model is MISSING:
+                raise UsageError(f"MODEL {args.model!r}: no such name in the namespace")
+            if not isinstance(model, torch.nn.Module):
+                raise UsageError(f"MODEL {args.model!r} is not a torch.nn.Module but {type(model).__name__}")
+        reporter = MemReporter(model)
+        for value in list(namespace.values()):
+            if isinstance(value, torch.optim.Optimizer):
+                reporter.add_optimizer(value)
+        device = None if args.device is None else device_argument(args.device)
+        if device is not None:
+            try:
+                torch.device(device)
+            except RuntimeError:
+                raise UsageError(
+                    f"-d {args.device}: not a device; write cpu, meta, cuda, cuda:1 or 0"
+                ) from None
+        reporter.report(verbose=args.verbose, device=device)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register ``%mlrun``, ``%%mlrun`` and ``%memreport`` (``%load_ext memlab``)."""
+    ipython.register_magics(MemlabMagics)

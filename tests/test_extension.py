@@ -1,0 +1,244 @@
+"""The IPython magics, in IPython's own test shell: %mlrun, %%mlrun and %memreport on CPU.
+
+Without a GPU the profiler measures through a TensorTracker with the CUDA allocator model, so a
+1024 x 1024 float32 tensor is 4.00M and the first large allocation reserves a 20 MiB segment.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing import globalipapp
+from IPython.utils.capture import capture_output
+
+import memlab
+
+WORK_CELL = """\
+import torch
+def work():
+    a = torch.empty(1024, 1024)
+    b = torch.empty(1024, 1024)
+    return a + b
+work()
+"""
+# (active_bytes.all.peak, reserved_bytes.all.peak, line, code) of work() on CPU.
+WORK_ROWS = [
+    ("0.00B", "0.00B", "2", "def work():"),
+    ("4.00M", "20.00M", "3", "a = torch.empty(1024, 1024)"),
+    ("8.00M", "20.00M", "4", "b = torch.empty(1024, 1024)"),
+    ("12.00M", "20.00M", "5", "return a + b"),
+]
+
+
+@pytest.fixture
+def ip() -> Iterator[Any]:
+    shell = globalipapp.get_ipython()
+    shell.extension_manager.load_extension("memlab")
+    names = set(shell.user_ns)
+    yield shell
+    for name in set(shell.user_ns) - names:
+        del shell.user_ns[name]
+
+
+def rows(stats: Any, columns: int = 2) -> list[tuple[str, ...]]:
+    """The table rows of a display (or its text): ``(*values, line, code)``, headers dropped."""
+    out = []
+    for text in (stats if isinstance(stats, str) else repr(stats)).splitlines():
+        parts = text.split(None, columns + 1)
+        if len(parts) == columns + 2 and parts[columns].isdigit():
+            out.append(tuple(parts))
+    return out
+
+
+def run(ip: Any, cell: str) -> tuple[Any, Any]:
+    """Run ``cell`` and return (its result, what it printed and displayed)."""
+    with capture_output() as captured:
+        result = ip.run_cell(cell)
+    return result, captured
+
+
+def test_load_ext_registers_the_magics(ip: Any) -> None:
+    magics = ip.magics_manager.magics
+    assert "mlrun" in magics["line"] and "mlrun" in magics["cell"] and "memreport" in magics["line"]
+    assert memlab.load_ipython_extension.__module__ == "memlab"
+
+
+def test_cell_magic_profiles_a_function_defined_in_the_cell(ip: Any) -> None:
+    result, _ = run(ip, "%%mlrun -f work\n" + WORK_CELL)
+    assert result.error_in_exec is None
+    assert repr(result.result).startswith("## work\n")
+    assert rows(result.result) == WORK_ROWS
+
+
+def test_result_renders_as_html_in_notebooks_and_as_text_in_terminals(ip: Any) -> None:
+    result, _ = run(ip, "%%mlrun -f work\n" + WORK_CELL)
+    html = result.result._repr_html_()
+    assert "<table" in html and "return a + b" in html
+    assert [size in html for size in ("4.00M", "8.00M", "12.00M", "20.00M")] == [True] * 4
+    assert "<table" not in repr(result.result)
+
+
+def test_line_magic_runs_the_rest_of_the_line_as_written(ip: Any) -> None:
+    run(ip, WORK_CELL)
+    result, _ = run(ip, '%mlrun -f work x = work(); y = "a  b"  # comment')
+    assert ip.user_ns["y"] == "a  b"
+    assert tuple(ip.user_ns["x"].shape) == (1024, 1024)
+    assert rows(result.result) == WORK_ROWS
+
+
+def test_a_function_redefined_by_the_cell_is_shown_once(ip: Any) -> None:
+    run(ip, "%%mlrun -f work\n" + WORK_CELL)
+    result, _ = run(ip, "%%mlrun -f work\n" + WORK_CELL)
+    assert repr(result.result).count("## ") == 1
+    assert rows(result.result) == WORK_ROWS
+
+
+def test_methods_and_module_functions_by_name(ip: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    (tmp_path / "memlab_magic_mod.py").write_text(
+        "import torch\n\ndef make():\n    return torch.empty(256)\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cell = textwrap.dedent(
+        """\
+        import torch, memlab_magic_mod
+        class Net:
+            def step(self):
+                return torch.empty(1024, 256)
+        Net().step(); memlab_magic_mod.make()
+        """
+    )
+    result, _ = run(ip, "%%mlrun -f Net.step -f memlab_magic_mod:make\n" + cell)
+    text = repr(result.result)
+    assert text.index("## Net.step") < text.index("## make")
+    assert rows(result.result) == [
+        ("0.00B", "0.00B", "3", "def step(self):"),
+        ("1.00M", "2.00M", "4", "return torch.empty(1024, 256)"),
+        ("0.00B", "2.00M", "3", "def make():"),  # the freed 1 MiB block's segment stays cached
+        ("1.00K", "2.00M", "4", "return torch.empty(256)"),
+    ]
+    monkeypatch.delitem(sys.modules, "memlab_magic_mod")
+
+
+def test_extra_columns_and_no_defaults(ip: Any) -> None:
+    result, _ = run(ip, "%%mlrun -D -c allocated_bytes.all.current -c hits -f work\n" + WORK_CELL)
+    header = repr(result.result).splitlines()[2]
+    assert header.split() == ["allocated_bytes", "hits", "line", "code"]
+    assert rows(result.result) == [
+        ("0.00B", "1", "2", "def work():"),
+        ("4.00M", "1", "3", "a = torch.empty(1024, 1024)"),
+        ("8.00M", "1", "4", "b = torch.empty(1024, 1024)"),
+        ("12.00M", "1", "5", "return a + b"),
+    ]
+
+
+def test_dump_profile_writes_the_text_shown(ip: Any, tmp_path: Any) -> None:
+    path = tmp_path / "profile.txt"
+    result, _ = run(ip, f"%%mlrun -c requested_bytes.all.peak -T {path} -f work\n" + WORK_CELL)
+    assert path.read_text(encoding="utf-8") == repr(result.result)
+    assert "requested_bytes" in path.read_text(encoding="utf-8")
+    assert rows(result.result, 3)[-1] == ("12.00M", "20.00M", "12.00M", "5", "return a + b")
+
+
+def test_quiet_prints_and_returns_nothing_but_still_dumps(ip: Any, tmp_path: Any) -> None:
+    path = tmp_path / "quiet.txt"
+    result, captured = run(ip, f"%%mlrun -q -T {path} -f work\n" + WORK_CELL)
+    assert result.result is None
+    assert (captured.stdout, captured.stderr, captured.outputs) == ("", "", [])
+    assert rows(path.read_text(encoding="utf-8")) == WORK_ROWS
+
+
+def test_return_profiler_shows_the_table_and_returns_the_profiler(ip: Any) -> None:
+    result, captured = run(ip, "%%mlrun -r -f work\n" + WORK_CELL)
+    assert isinstance(result.result, memlab.LineProfiler)
+    assert len(captured.outputs) == 1 and rows(captured.outputs[0].data["text/plain"]) == WORK_ROWS
+    frame = result.result.to_dataframe()
+    assert frame["active_bytes.all.peak"].tolist() == [0, 4 * 2**20, 8 * 2**20, 12 * 2**20]
+    quiet, captured = run(ip, "%%mlrun -r -q -f work\n" + WORK_CELL)
+    assert isinstance(quiet.result, memlab.LineProfiler) and captured.outputs == []
+
+
+def test_device_by_index_or_string_measures_the_same_on_cpu(ip: Any) -> None:
+    by_index, _ = run(ip, "%%mlrun -g 0 -f work\n" + WORK_CELL)
+    by_string, _ = run(ip, "%%mlrun -g cpu -f work\n" + WORK_CELL)
+    assert rows(by_index.result) == rows(by_string.result) == WORK_ROWS
+
+
+def test_a_cell_that_raises_shows_the_table_so_far(ip: Any) -> None:
+    cell = "import torch\ndef work():\n    a = torch.empty(1024, 1024)\n    return 1 / 0\nwork()\n"
+    result, captured = run(ip, "%%mlrun -f work\n" + cell)
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+    shown = captured.outputs[0].data["text/plain"]
+    assert "4.00M" in shown and "return 1 / 0" in shown
+
+
+@pytest.mark.parametrize(
+    ("line", "cell", "named"),
+    [
+        ("-f nope x = 1", None, "nope"),
+        ("-f work -c bogus work()", None, "bogus"),
+        ("-f work", None, "statement"),
+        ("-f work", "\n", "statement"),
+        ("-f work x = 1", "work()", "first line"),
+        ("x = 1", None, "-f FUNC"),
+        ("-f 'a b' x = 1", None, "a b"),
+        ("-g bogus -f work work()", None, "bogus"),
+        ("-z -f work work()", None, "-z"),
+        ("-D -f work work()", None, "-c COL"),
+    ],
+)
+def test_usage_errors_are_one_line(ip: Any, line: str, cell: str | None, named: str) -> None:
+    run(ip, WORK_CELL)
+    with pytest.raises(UsageError) as error:
+        if cell is None:
+            ip.run_line_magic("mlrun", line)
+        else:
+            ip.run_cell_magic("mlrun", line, cell)
+    assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_unknown_name_is_reported_after_the_cell_ran(ip: Any) -> None:
+    result, captured = run(ip, "%mlrun -f nope x = 1")
+    assert isinstance(result.error_in_exec, UsageError) and "nope" in str(result.error_in_exec)
+    assert ip.user_ns["x"] == 1
+    assert "Traceback" not in captured.stdout + captured.stderr
+
+
+def test_memreport_names_the_model_and_optimizer_state(ip: Any) -> None:
+    run(
+        ip,
+        "import torch\nlin = torch.nn.Linear(1024, 1024)\nopt = torch.optim.AdamW(lin.parameters())\n"
+        "lin(torch.ones(1, 1024)).sum().backward(); opt.step()\n",
+    )
+    _, captured = run(ip, "%memreport lin")
+    lines = [line.split() for line in captured.stdout.splitlines()]
+    assert ["weight", "(1024,", "1024)", "4.00M"] in lines
+    assert ["bias.grad", "(1024,)", "4.00K"] in lines
+    assert ["AdamW.weight.exp_avg_sq", "(1024,", "1024)", "4.00M"] in lines
+
+
+def test_memreport_verbose_shows_sharing(ip: Any) -> None:
+    run(ip, "import torch\nlin = torch.nn.Linear(4, 4)\nrow = lin.weight[0]\n")
+    _, plain = run(ip, "%memreport lin")
+    _, verbose = run(ip, "%memreport -v -d cpu lin")
+    assert "(->weight)" in verbose.stdout and "(->weight)" not in plain.stdout
+
+
+@pytest.mark.parametrize(
+    ("line", "named"), [("nope", "nope"), ("opt", "torch.nn.Module"), ("-d bogus lin", "bogus")]
+)
+def test_memreport_usage_errors(ip: Any, line: str, named: str) -> None:
+    run(ip, "import torch\nlin = torch.nn.Linear(4, 4)\nopt = torch.optim.SGD(lin.parameters())\n")
+    with pytest.raises(UsageError, match=named):
+        ip.run_line_magic("memreport", line)
+
+
+def test_importing_memlab_does_not_import_ipython() -> None:
+    code = "import sys, memlab; print('IPython' in sys.modules, callable(memlab.load_ipython_extension))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
