@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 import memlab
-from memlab.line_profiler import profile as profile_module
+from memlab.line_profiler import decorators
 
 
 @pytest.fixture
@@ -26,6 +26,7 @@ def global_profiler() -> Iterator[Any]:
     """The decorators' profiler, emptied before the test; its exit report is not left behind."""
     profiler = memlab.line_profiler.global_line_profiler()
     profiler.clear()
+    profiler.at_exit.clear()
     trace = sys.gettrace()
     yield profiler
     atexit.unregister(profiler.print_at_exit)
@@ -33,7 +34,7 @@ def global_profiler() -> Iterator[Any]:
     profiler.at_exit.clear()
     profiler.target_gpu = 0
     assert sys.gettrace() is trace
-    assert profile_module._global is profiler
+    assert decorators._global is profiler
 
 
 def _rows(lp: memlab.LineProfiler, func: Any, columns: Sequence[str]) -> list[tuple[Any, ...]]:
