@@ -1,0 +1,116 @@
+"""Bad input fails early, with a typed error that lists what would have been valid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memlab
+from memlab.line_profiler.profiler import normalize_target
+
+
+def work():
+    return 1
+
+
+def test_a_bad_column_name_at_construction_lists_the_valid_names():
+    with pytest.raises(
+        ValueError, match=r"unknown column 'active_bytes\.peak'; valid columns .*hits.*delta"
+    ) as info:
+        memlab.LineProfiler(work, columns=("active_bytes.peak",))
+    assert "active_bytes.all.peak" in str(info.value)
+    assert "reserved_bytes.large_pool.freed" in str(info.value)
+
+
+def test_a_bad_column_name_at_display_lists_the_valid_names():
+    lp = memlab.LineProfiler(work)
+    with pytest.raises(ValueError, match="unknown column 'bytes'; valid columns") as info:
+        lp.display(columns=("bytes",))
+    assert "num_alloc_retries" in str(info.value)
+
+
+def test_a_valid_but_unrecorded_column_says_how_to_record_it():
+    lp = memlab.LineProfiler(work)
+    with pytest.raises(
+        ValueError, match=r"'segment\.all\.current' was not recorded; recorded columns: hits, delta"
+    ):
+        lp.to_dataframe(columns=("segment.all.current",))
+
+
+def test_a_bad_column_name_in_the_decorators_raises_at_decoration():
+    with pytest.raises(ValueError, match="unknown column 'peak'"):
+        memlab.profile(columns=("peak",))
+    with pytest.raises(ValueError, match="unknown column 'peak'"):
+        memlab.profile_every(columns=("peak",))
+
+
+def test_a_non_string_column_is_a_type_error():
+    with pytest.raises(TypeError, match="column names must be strings, got int 3"):
+        memlab.LineProfiler(columns=(3,))
+
+
+def test_add_function_rejects_a_non_callable():
+    with pytest.raises(TypeError, match=r"needs a Python function.*got int 42, which is not callable"):
+        memlab.LineProfiler().add_function(42)
+
+
+def test_add_function_rejects_a_callable_without_python_code():
+    with pytest.raises(TypeError, match="no Python code to trace"):
+        memlab.LineProfiler().add_function(len)
+
+
+def test_selecting_an_unregistered_function_lists_the_registered_ones():
+    lp = memlab.LineProfiler(work)
+    with pytest.raises(ValueError, match="'other' is not a registered function; registered: work"):
+        lp.display("other")
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        (0, 0),
+        (1, 1),
+        ("cuda:1", torch.device("cuda", 1)),
+        ("cpu", torch.device("cpu")),
+        ("meta", torch.device("meta")),
+        (torch.device("meta"), torch.device("meta")),
+    ],
+)
+def test_valid_targets(target, expected):
+    assert normalize_target(target) == expected
+
+
+@pytest.mark.parametrize(
+    ("target", "error", "message"),
+    [
+        (1.5, TypeError, "target_gpu must be an int GPU index .* got float 1.5"),
+        (True, TypeError, "got bool True"),
+        (None, TypeError, "got NoneType None"),
+        (-1, ValueError, "got the negative index -1"),
+        ("gpu0", ValueError, "a device string .* got 'gpu0'"),
+    ],
+)
+def test_set_target_gpu_rejects_anything_else_listing_the_valid_forms(target, error, message):
+    with pytest.raises(error, match=message):
+        memlab.set_target_gpu(target)
+    assert memlab.line_profiler.global_line_profiler().target_gpu == 0
+
+
+def test_an_unknown_source_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="source must be None or 'auto', 'cuda', 'tracker'"):
+        memlab.LineProfiler(source="gpu")
+
+
+def test_source_cuda_without_a_gpu_fails_when_enabled():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    lp = memlab.LineProfiler(work, source="cuda")
+    with pytest.raises(ValueError, match="source='cuda' needs a CUDA device; cuda:0 does not exist here"):
+        lp.enable()
+    assert not lp.enabled
+
+
+@pytest.mark.parametrize(("interval", "error"), [(0, ValueError), (-2, ValueError), (1.0, TypeError)])
+def test_profile_every_needs_a_positive_int_interval(interval, error):
+    with pytest.raises(error, match="output_interval must be a positive int"):
+        memlab.profile_every(interval)
