@@ -7,14 +7,15 @@ and counted once per storage. The records and their renderers live in :mod:`meml
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Set
 from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memlab.reporter_snapshot import MemorySnapshot, SnapshotDiff, TensorRecord
+from memlab.reporter_snapshot import MemorySnapshot, SnapshotDiff, TensorRecord, paused_gc
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -30,6 +31,7 @@ _SPARSE_PARTS = {
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
 
 
 class AllocatedMemorySource(Protocol):
@@ -110,49 +112,60 @@ class MemReporter:
         sharing another's storage as ``name(->owner)`` with ``0.00B``. Writes to ``stream``
         (default ``sys.stdout`` at call time). No reference to any tensor is kept afterwards.
         """
-        self.snapshot(source=source).report(verbose=verbose, device=_device_filter(device), stream=stream)
+        wanted = _device_filter(device)
+        with paused_gc():  # the records die before a collection could traverse them
+            self._snapshot(source, dtypes=False).report(verbose=verbose, device=wanted, stream=stream)
 
     def to_dataframe(
         self, verbose: bool = False, device: torch.device | str | int | None = None
     ) -> pd.DataFrame:
         """The rows :meth:`report` would print, as a DataFrame (see :meth:`MemorySnapshot.to_dataframe`)."""
-        return self.snapshot().to_dataframe(verbose=verbose, device=_device_filter(device))
+        wanted = _device_filter(device)
+        with paused_gc():
+            return self._snapshot(None).to_dataframe(verbose=verbose, device=wanted)
 
     def snapshot(self, source: AllocatedMemorySource | None = None) -> MemorySnapshot:
         """Record every reachable tensor now, as plain data; see :meth:`report` for what it can see."""
-        records = self._collect()
-        return MemorySnapshot(tuple(records), _allocated(records, source))
+        with paused_gc():
+            return self._snapshot(source)
 
     def diff(self, before: MemorySnapshot, after: MemorySnapshot | None = None) -> SnapshotDiff:
         """What appeared, disappeared, grew or shrank from ``before`` to ``after`` (default: now)."""
         return SnapshotDiff.between(before, self.snapshot() if after is None else after)
 
     # -- collection --------------------------------------------------------------------------
-    def _collect(self) -> list[TensorRecord]:
+    def _snapshot(self, source: AllocatedMemorySource | None, dtypes: bool = True) -> MemorySnapshot:
         if self.pre_collect:
             gc.collect()
+        records = self._collect_records(dtypes)
+        return MemorySnapshot(tuple(records), _allocated(records, source))
+
+    def _collect_records(self, dtypes: bool) -> list[TensorRecord]:
         named: dict[int, tuple[torch.Tensor, str, str]] = {}
         self._name_model_tensors(named)
         self._name_optimizer_state(named)
         found = _reachable_tensors()
-        ordered = list(named.values())
-        anonymous = []
-        for tensor in found:
-            if id(tensor) not in named:
-                named[id(tensor)] = (tensor, "", "")
-                anonymous.append(tensor)
-        del found
-        grads = _gradients([t for t, _, _ in ordered] + anonymous)
-        grad_ids = {id(grad) for grad in grads.values()}
-        ordered += self._name_anonymous([t for t in anonymous if id(t) not in grad_ids])
-        with_grads = []
-        for tensor, name, category in ordered:
-            with_grads.append((tensor, name, category))
-            grad = grads.get(id(tensor))
-            if grad is not None:
-                with_grads.append((grad, f"{name}.grad", "gradient"))
-        del named, ordered, anonymous, grads
-        return _records(with_grads)
+        grads = _gradients([entry[0] for entry in named.values()] + found)
+        skip = named.keys() | {id(grad) for grad in grads.values()}
+        numbered = self._number_anonymous(found, skip)
+        del found, skip
+        ordered = []
+        for tensor, name, category in named.values():
+            ordered.append((tensor, name, category))
+            if id(tensor) in grads:
+                ordered.append((grads[id(tensor)], f"{name}.grad", "gradient"))
+        anonymous: Iterable[tuple[torch.Tensor, str, str | None]] = ()
+        if numbered:
+            # Transpose in C; plain tensors are "other", parameters "parameter", subclasses decided later.
+            _, names, tensors = zip(*numbered, strict=True)
+            categories = map(_ANONYMOUS_CATEGORY.get, map(type, tensors))
+            anonymous = zip(tensors, names, categories, strict=True)
+            if not grads.keys().isdisjoint(map(id, tensors)):
+                anonymous = _with_gradients(anonymous, grads)
+        del named, numbered
+        builder = _RecordBuilder(dtypes)
+        builder.add_plain(itertools.chain(ordered, anonymous))
+        return builder.records
 
     def _name_model_tensors(self, named: dict[int, tuple[torch.Tensor, str, str]]) -> None:
         model = None if self._model is None else self._model()
@@ -185,38 +198,47 @@ class MemReporter:
                     if isinstance(value, torch.Tensor) and id(value) not in named:
                         named[id(value)] = (value, f"{label}.{param_name}.{key}", "optimizer state")
 
-    def _name_anonymous(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, str, str]]:
+    def _number_anonymous(
+        self, tensors: list[torch.Tensor], skip: Set[int]
+    ) -> list[tuple[int, str, torch.Tensor]]:
+        """``(number, name, tensor)`` by number for ``tensors`` whose ``id`` is not in ``skip``.
+
+        A tensor keeps its ``TensorN`` for as long as it lives (checked through a weak reference).
+        """
         previous, current = self._anonymous, {}
         numbered = []
+        get, append, object_id = previous.get, numbered.append, id
         for tensor in tensors:
-            entry = previous.get(id(tensor))
+            key = object_id(tensor)
+            if key in skip:
+                continue
+            entry = get(key)
             if entry is None or entry[0]() is not tensor:
-                entry = (
-                    weakref.ref(tensor),
-                    self._next_number,
-                    f"{type(tensor).__name__}{self._next_number}",
-                )
+                number = self._next_number
+                entry = (weakref.ref(tensor), number, f"{type(tensor).__name__}{number}")
                 self._next_number += 1
-            current[id(tensor)] = entry
-            numbered.append((entry[1], entry[2], tensor))
+            current[key] = entry
+            append((entry[1], entry[2], tensor))
         self._anonymous = current
-        numbered.sort(key=lambda item: item[0])
-        parameter = torch.nn.Parameter
-        return [(t, name, "parameter" if isinstance(t, parameter) else "other") for _, name, t in numbered]
+        numbered.sort()  # numbers are unique: tensors are never compared
+        return numbered
+
+
+def _with_gradients(
+    tensors: Iterable[tuple[torch.Tensor, str, str | None]], grads: dict[int, torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, str, str | None]]:
+    """``tensors`` with each one's gradient right after it, named ``<name>.grad``."""
+    for tensor, name, category in tensors:
+        yield tensor, name, category
+        if id(tensor) in grads:
+            yield grads[id(tensor)], f"{name}.grad", "gradient"
 
 
 def _reachable_tensors() -> list[torch.Tensor]:
     """Every tensor object ``gc`` tracks (weak proxies are skipped: they are not tensors)."""
-    tensor_types: dict[type, bool] = {}
-    found = []
     objects = gc.get_objects()
-    for obj in objects:
-        kind = type(obj)
-        is_tensor = tensor_types.get(kind)
-        if is_tensor is None:
-            is_tensor = tensor_types[kind] = issubclass(kind, torch.Tensor)
-        if is_tensor:
-            found.append(obj)
+    tensor_types = {kind for kind in set(map(type, objects)) if issubclass(kind, torch.Tensor)}
+    found = [obj for obj in objects if type(obj) in tensor_types]
     del objects
     return found
 
@@ -236,7 +258,7 @@ def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 
 def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
     """The storage-holding tensors behind ``tensor``: itself, or a sparse / wrapper tensor's parts."""
-    if type(tensor) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(tensor):
+    if is_traceable_wrapper_subclass(tensor):
         attrs, _ = tensor.__tensor_flatten__()
         for attr in attrs:
             inner = getattr(tensor, attr)
@@ -251,63 +273,83 @@ def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]
         yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
 
 
-def _records(tensors: list[tuple[torch.Tensor, str, str]]) -> list[TensorRecord]:
-    owners: dict[int, tuple[torch.UntypedStorage, str]] = {}
-    records = []
-    strided = torch.strided
-    for top, top_name, category in tensors:
-        parts = (
-            [(top, top_name)]
-            if top.layout is strided and type(top) in _PLAIN_TYPES
-            else _parts(top, top_name)
-        )
-        for tensor, name in parts:
+class _RecordBuilder:
+    """Turns tensors into records; the first tensor seen on a storage owns it, later ones share it."""
+
+    def __init__(self, dtypes: bool) -> None:
+        self.with_dtypes = dtypes
+        self.records: list[TensorRecord] = []
+        self.owners: dict[int, tuple[torch.UntypedStorage, str, int | None, str]] = {}
+        self.devices: dict[torch.device, tuple[str, bool]] = {}
+        self.dtypes: dict[torch.dtype, str] = {}
+
+    def add_plain(self, tensors: Iterable[tuple[torch.Tensor, str, str | None]]) -> None:
+        """The hot loop for ``torch.Tensor`` and ``nn.Parameter``; other tensors go to :meth:`add`."""
+        append, make = self.records.append, tuple.__new__  # a record without NamedTuple's overhead
+        owners, devices, dtypes, with_dtypes = self.owners, self.devices, self.dtypes, self.with_dtypes
+        plain_types, record, object_id, kind = _PLAIN_TYPES, TensorRecord, id, type
+        for tensor, name, category in tensors:
+            if kind(tensor) not in plain_types:
+                self.add(tensor, name, category)
+                continue
             try:
                 storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError):
-                records.append(_record(tensor, name, category, str(tensor.device), None, None, None))
+                shape = tensor.shape
+            except RuntimeError:  # sparse layouts, nested tensors
+                self.add(tensor, name, category)
                 continue
-            owner = owners.get(id(storage))
+            dtype = ""
+            if with_dtypes:
+                dtype = dtypes.get(tensor.dtype)
+                if dtype is None:
+                    dtype = dtypes[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+            key = object_id(storage)
+            owner = owners.get(key)
+            if owner is not None:
+                append(make(record, (name, category, owner[1], shape, dtype, owner[2], 0, owner[3])))
+                continue
+            device = devices.get(storage.device)
+            if device is None:
+                device = devices[storage.device] = (str(storage.device), storage.device.type == "cuda")
+            nbytes = storage.nbytes()
+            owners[key] = (storage, device[0], nbytes, name)
+            memory = cuda_block_bytes(nbytes) if device[1] else nbytes
+            append(make(record, (name, category, device[0], shape, dtype, nbytes, memory, None)))
+
+    def add(self, top: torch.Tensor, top_name: str, category: str | None) -> None:
+        """Any tensor: sparse and wrapper tensors by their parts; symbolic or unreadable sizes as unknown."""
+        if category is None:  # an unnamed subclass instance
+            category = "parameter" if isinstance(top, torch.nn.Parameter) else "other"
+        for tensor, name in _parts(top, top_name):
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            try:
+                shape: tuple[int | str, ...] | None = tuple(
+                    d if isinstance(d, int) else str(d) for d in tensor.shape
+                )
+            except RuntimeError:  # nested tensors have no single shape
+                shape = None
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):  # no storage to read
+                self.records.append(
+                    TensorRecord(name, category, str(tensor.device), shape, dtype, None, None)
+                )
+                continue
+            owner = self.owners.get(id(storage))
+            if owner is not None:
+                self.records.append(
+                    TensorRecord(name, category, owner[1], shape, dtype, owner[2], 0, owner[3])
+                )
+                continue
             device = str(storage.device)
             nbytes = storage.nbytes()
-            if not isinstance(nbytes, int):
+            if not isinstance(nbytes, int):  # symbolic
                 nbytes = None
-            if owner is not None:
-                records.append(_record(tensor, name, category, device, nbytes, 0, owner[1]))
-                continue
-            owners[id(storage)] = (storage, name)
-            memory = nbytes
-            if nbytes is not None and storage.device.type == "cuda":
-                memory = cuda_block_bytes(nbytes)
-            records.append(_record(tensor, name, category, device, nbytes, memory, None))
-    return records
-
-
-def _record(
-    tensor: torch.Tensor,
-    name: str,
-    category: str,
-    device: str,
-    nbytes: int | None,
-    memory: int | None,
-    owner: str | None,
-) -> TensorRecord:
-    try:
-        shape: tuple[int | str, ...] | None = tuple(d if isinstance(d, int) else str(d) for d in tensor.shape)
-    except RuntimeError:  # nested tensors have no single shape
-        shape = None
-    numel = tensor.numel() if shape is not None else None
-    return TensorRecord(
-        name=name,
-        category=category,
-        device=device,
-        shape=shape,
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        numel=numel if isinstance(numel, int) else None,
-        storage_bytes=nbytes,
-        memory=memory,
-        shares_with=owner,
-    )
+            memory = (
+                cuda_block_bytes(nbytes) if nbytes is not None and storage.device.type == "cuda" else nbytes
+            )
+            self.owners[id(storage)] = (storage, device, nbytes, name)
+            self.records.append(TensorRecord(name, category, device, shape, dtype, nbytes, memory))
 
 
 def _device_filter(device: torch.device | str | int | None) -> str | None:

@@ -6,10 +6,16 @@ tensor; the text report, ``to_dataframe()`` and :class:`SnapshotDiff` all render
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
+import math
+import operator
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 from memlab._units import format_size
 
@@ -28,20 +34,22 @@ __all__ = [
 CATEGORIES = ("parameter", "gradient", "buffer", "optimizer state", "other")
 
 _RULE = "-" * 79
+# TensorRecord fields, read in C
+_NAME, _DEVICE, _SHAPE, _MEMORY, _SHARES_WITH = (operator.itemgetter(i) for i in (0, 2, 3, 6, 7))
 _NAME_WIDTH = 40
 _SIZE_WIDTH = 20
 _MEM_WIDTH = 10
 
 
-@dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(NamedTuple):
     """One tensor (or one storage-holding part of a sparse or wrapper tensor) seen by the reporter.
 
     ``storage_bytes`` is the exact ``nbytes`` of the storage the tensor uses; ``memory`` is what the
     report counts for this row: the storage's bytes (rounded up to the CUDA allocator's 512 B blocks
     on CUDA devices) for the row that owns the storage, ``0`` for a row that shares a storage owned
     by the row named in ``shares_with``. Both are ``None`` when the size is symbolic or the storage
-    cannot be read. ``shape`` is ``None`` for nested tensors, which have no single shape.
+    cannot be read. ``shape`` is ``None`` for nested tensors, which have no single shape, and holds
+    strings for symbolic sizes.
     """
 
     name: str
@@ -49,19 +57,41 @@ class TensorRecord:
     device: str
     shape: tuple[int | str, ...] | None
     dtype: str
-    numel: int | None
     storage_bytes: int | None
     memory: int | None
     shares_with: str | None = None
 
     @property
+    def numel(self) -> int | None:
+        """Elements in the tensor; ``None`` for nested tensors and symbolic sizes."""
+        try:
+            return math.prod(self.shape)  # type: ignore[arg-type]
+        except TypeError:  # None, or symbolic sizes kept as strings
+            return None
+
+    @property
     def size_text(self) -> str:
         """The shape as the report prints it: ``(1024, 1024)``, ``(1024,)``, ``()``, ``nested``."""
-        if self.shape is None:
-            return "nested"
-        if len(self.shape) == 1:
-            return f"({self.shape[0]},)"
-        return "(" + ", ".join(str(dim) for dim in self.shape) + ")"
+        return _size_text(self.shape)
+
+
+def _size_text(shape: tuple[int | str, ...] | None) -> str:
+    if shape is None:
+        return "nested"
+    return tuple.__repr__(shape).replace("'", "")  # symbolic sizes print bare: (s0, 4)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause cyclic garbage collection: walks over every live tensor create many small objects, and
+    collections triggered meanwhile would traverse every tensor again and again."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def device_matches(device: str, wanted: str | None) -> bool:
@@ -99,11 +129,12 @@ class MemorySnapshot:
     def select(self, device: str | None = None, verbose: bool = True) -> list[TensorRecord]:
         """Records on ``device`` (``None`` = all, ``"cuda"`` = every CUDA device); with
         ``verbose=False`` only the rows that own a storage (rows sharing one are left out)."""
-        return [
-            record
-            for record in self.records
-            if device_matches(record.device, device) and (verbose or record.shares_with is None)
-        ]
+        records: Iterable[TensorRecord] = self.records
+        if device is not None:
+            records = [r for r in records if device_matches(r.device, device)]
+        if verbose:
+            return list(records)
+        return list(itertools.compress(records, map(operator.not_, map(_SHARES_WITH, records))))
 
     def used_memory(self, device: str) -> int:
         """Bytes counted on ``device``: each storage once, rounded to 512 B blocks on CUDA devices."""
@@ -111,7 +142,9 @@ class MemorySnapshot:
 
     def report(self, verbose: bool = False, device: str | None = None, stream: TextIO | None = None) -> None:
         """Write the pytorch_memlab-style text report to ``stream`` (default: ``sys.stdout`` now)."""
-        print(self.render(verbose=verbose, device=device), file=sys.stdout if stream is None else stream)
+        with paused_gc():
+            text = self.render(verbose=verbose, device=device)
+        print(text, file=sys.stdout if stream is None else stream)
 
     def render(self, verbose: bool = False, device: str | None = None) -> str:
         """The text report: a header, one block per device, totals and the allocator's view.
@@ -119,18 +152,38 @@ class MemorySnapshot:
         With ``verbose=False`` a storage shared by several tensors appears once, under its owner's
         name; with ``verbose=True`` every sharer is listed too, as ``name(->owner)`` with ``0.00B``.
         """
-        rows = self.select(device, verbose)
-        width = max([_NAME_WIDTH, *(len(_label(r, verbose)) + 2 for r in rows)])
-        size_width = max([_SIZE_WIDTH, *(len(r.size_text) + 2 for r in rows)])
-        line = f"{{:<{width}s}}{{:>{size_width}s}}{{:>{_MEM_WIDTH}s}}"
+        records = self.select(device, verbose)
+        # Sizes and byte counts repeat: format each distinct one once (C-level passes over the rows).
+        shapes, memories = list(map(_SHAPE, records)), list(map(_MEMORY, records))
+        size_texts = {shape: _size_text(shape) for shape in set(shapes)}
+        memory_texts = {memory: _memory_text(memory) for memory in set(memories)}
+        if verbose:
+            labels = [r.name if r.shares_with is None else f"{r.name}(->{r.shares_with})" for r in records]
+        else:
+            labels = list(map(_NAME, records))
+        width = max(_NAME_WIDTH, max(map(len, labels), default=0) + 2)
+        size_width = max(_SIZE_WIDTH, max(map(len, size_texts.values()), default=0) + 2)
+        template = f"%-{width}s%{size_width}s%{_MEM_WIDTH}s"
+        lines = list(
+            map(
+                template.__mod__,
+                zip(
+                    labels,
+                    map(size_texts.__getitem__, shapes),
+                    map(memory_texts.__getitem__, memories),
+                    strict=True,
+                ),
+            )
+        )
         rule = "-" * max(len(_RULE), width + size_width + _MEM_WIDTH)
-        out = [line.format("Element type", "Size", "Used MEM")]
+        out = [template % ("Element type", "Size", "Used MEM")]
+        devices = list(map(_DEVICE, records))
+        one_device = len(set(devices)) == 1
         for dev in self.devices:
             if not device_matches(dev, device):
                 continue
-            block = [r for r in rows if r.device == dev]
             out += [rule, f"Storage on {dev}"]
-            out += [line.format(_label(r, verbose), r.size_text, _memory_text(r.memory)) for r in block]
+            out += lines if one_device else [line for line, d in zip(lines, devices, strict=True) if d == dev]
             out += [rule, *_device_footer(self, dev), rule]
         return "\n".join(out)
 
@@ -162,22 +215,20 @@ class MemorySnapshot:
         return pd.DataFrame(data, columns=[*columns, "shares_with"])
 
 
-def _label(record: TensorRecord, verbose: bool) -> str:
-    if verbose and record.shares_with is not None:
-        return f"{record.name}(->{record.shares_with})"
-    return record.name
-
-
 def _memory_text(memory: int | None) -> str:
     return "?" if memory is None else format_size(memory)
 
 
 def _device_footer(snapshot: MemorySnapshot, device: str) -> list[str]:
-    owners = [r for r in snapshot.records if r.device == device and r.shares_with is None]
-    numel = sum(r.numel for r in owners if isinstance(r.numel, int))
-    used = snapshot.used_memory(device)
+    owners = snapshot.select(device, verbose=False)
+    memories = list(map(_MEMORY, owners))
+    unknown = memories.count(None)
+    used = sum(filter(None, memories))
+    try:
+        numel = sum(map(math.prod, map(_SHAPE, owners)))
+    except TypeError:  # nested or symbolic shapes: count the others
+        numel = sum(r.numel or 0 for r in owners if r.memory is not None)
     lines = [f"Total Tensors: {numel}  Used Memory: {format_size(used)}"]
-    unknown = sum(1 for r in owners if r.memory is None)
     if unknown:
         lines.append(
             f"{unknown} tensor(s) of unknown size (symbolic shapes, or no readable storage) "
@@ -296,7 +347,7 @@ class SnapshotDiff:
         for dev in sorted({e.device for e in entries}, key=_device_order):
             out += [rule, f"Storage on {dev}"]
             for e in (e for e in entries if e.device == dev):
-                size = TensorRecord(e.name, e.category, dev, e.shape, "", None, None, None).size_text
+                size = _size_text(e.shape)
                 out.append(
                     line.format(
                         e.change, e.name, size, format_size(e.before), format_size(e.after), _signed(e.delta)
