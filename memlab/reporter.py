@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import operator
 import weakref
 from collections.abc import Iterable, Iterator, Set
 from typing import TYPE_CHECKING, Protocol, TextIO
@@ -31,6 +32,7 @@ _SPARSE_PARTS = {
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
 
 
@@ -237,8 +239,9 @@ def _with_gradients(
 def _reachable_tensors() -> list[torch.Tensor]:
     """Every tensor object ``gc`` tracks (weak proxies are skipped: they are not tensors)."""
     objects = gc.get_objects()
-    tensor_types = {kind for kind in set(map(type, objects)) if issubclass(kind, torch.Tensor)}
-    found = [obj for obj in objects if type(obj) in tensor_types]
+    kinds = list(map(type, objects))
+    tensor_types = {kind for kind in set(kinds) if issubclass(kind, torch.Tensor)}
+    found = list(itertools.compress(objects, map(tensor_types.__contains__, kinds)))  # all in C
     del objects
     return found
 
@@ -247,8 +250,8 @@ def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """``id(owner) -> grad`` for every leaf tensor with a ``.grad``; each gradient listed once."""
     grads: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
-    for tensor in tensors:
-        if tensor.requires_grad and tensor.is_leaf:
+    for tensor in itertools.compress(tensors, map(_REQUIRES_GRAD, tensors)):
+        if tensor.is_leaf:
             grad = tensor.grad
             if grad is not None and id(grad) not in seen:
                 seen.add(id(grad))

@@ -124,7 +124,7 @@ class MemorySnapshot:
     @property
     def devices(self) -> list[str]:
         """Devices with at least one record, in report order (``cpu``, ``cuda:0``, ``cuda:1``, ``meta``)."""
-        return sorted({record.device for record in self.records}, key=_device_order)
+        return sorted(set(map(_DEVICE, self.records)), key=_device_order)
 
     def select(self, device: str | None = None, verbose: bool = True) -> list[TensorRecord]:
         """Records on ``device`` (``None`` = all, ``"cuda"`` = every CUDA device); with
@@ -184,7 +184,8 @@ class MemorySnapshot:
                 continue
             out += [rule, f"Storage on {dev}"]
             out += lines if one_device else [line for line, d in zip(lines, devices, strict=True) if d == dev]
-            out += [rule, *_device_footer(self, dev), rule]
+            owners = records if one_device and not verbose else self.select(dev, verbose=False)
+            out += [rule, *_device_footer(self, dev, owners), rule]
         return "\n".join(out)
 
     def to_dataframe(self, verbose: bool = False, device: str | None = None) -> pd.DataFrame:
@@ -219,8 +220,8 @@ def _memory_text(memory: int | None) -> str:
     return "?" if memory is None else format_size(memory)
 
 
-def _device_footer(snapshot: MemorySnapshot, device: str) -> list[str]:
-    owners = snapshot.select(device, verbose=False)
+def _device_footer(snapshot: MemorySnapshot, device: str, owners: list[TensorRecord]) -> list[str]:
+    """Totals over ``owners`` (the records owning a storage on ``device``) and the allocator's view."""
     memories = list(map(_MEMORY, owners))
     unknown = memories.count(None)
     used = sum(filter(None, memories))
