@@ -48,8 +48,8 @@ class _GlobalLineProfiler(LineProfiler):
 
     def print_at_exit(self) -> None:
         """Print the statistics of every ``@profile`` function to ``sys.stdout``."""
-        for func, columns in self.at_exit.items():
-            self.print_stats(func, columns)
+        tables = [repr(self.display(func, columns)) for func, columns in self.at_exit.items()]
+        sys.stdout.write("\n\n".join(tables))
 
 
 _global: _GlobalLineProfiler | None = None

@@ -157,9 +157,9 @@ class LineProfiler(ByCountProfilerMixin):
             self._records.add(code)
 
     @property
-    def functions(self) -> list[Callable[..., Any]]:
-        """The registered code objects' qualified names, in registration order."""
-        return [record.qualname for record in self._records.functions.values()]  # type: ignore[misc]
+    def functions(self) -> list[str]:
+        """The qualified names of the registered code objects, in registration order."""
+        return [record.qualname for record in self._records.functions.values()]
 
     def __call__(self, func: Any) -> Any:
         """Decorator: register ``func`` and return a wrapper that enables the profiler only while

@@ -27,80 +27,88 @@ TraceFunction = Callable[[FrameType, str, Any], Any]
 Sampler = Callable[[], tuple[int, ...]]
 
 
-def _local_factory_source(layout: ColumnLayout) -> str:
-    """Python source of ``make_local(...)`` specialised for ``layout`` (see :func:`_local_factory`)."""
-    n_peaks, n_sums, n_currents = len(layout.peaks), len(layout.sums), len(layout.currents)
+def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
+    """Python source of ``make_local(...)`` specialised for ``layout`` (see :func:`_local_factory`).
+
+    ``nested``: the frame has a profiled caller, to which it posts the highest peaks of its life.
+    """
+    n_peaks, n_sums = len(layout.peaks), len(layout.sums)
+    n_values = len(layout.sample_keys)
+    values = ", ".join(f"v{j}" for j in range(n_values)) + ("," if n_values == 1 else "")
+    summed = [*range(n_peaks, n_peaks + n_sums), layout.delta_index]
+    currents = range(n_peaks + n_sums, n_peaks + n_sums + len(layout.currents))
+    starts = ", ".join(f"s{j}" for j in summed)
     peaks = range(n_peaks)
-    delta_row = layout.row_length - 1
-    d = layout.delta_index
-    body = [f"p{i} = w[{i}]" for i in peaks]
+    close = []  # fold the sample into the row of the interval that ends here
     if n_peaks:
-        body += ["b = box[0]", "if b is not None:", "    box[0] = None"]
-        body += [f"    if b[{i}] > p{i}: p{i} = b[{i}]" for i in peaks]
-        body += [f"if p{i} > row[{1 + i}]: row[{1 + i}] = p{i}" for i in peaks]
-    body += [f"row[{1 + i}] += w[{i}] - start[{i}]" for i in range(n_peaks, n_peaks + n_sums)]
-    body += [f"row[{1 + i}] = w[{i}]" for i in range(n_peaks + n_sums, n_peaks + n_sums + n_currents)]
-    body += [f"row[{delta_row}] += w[{d}] - start[{d}]"]
-    if n_peaks:
-        body += ["if parent_box is not None:", "    if life is None:"]
-        body += [f"        life = [{', '.join(f'p{i}' for i in peaks)}]", "    else:"]
-        body += [f"        if p{i} > life[{i}]: life[{i}] = p{i}" for i in peaks]
-    body += [
-        'if event == "line":',
-        "    line = frame.f_lineno",
-        "    row = rows.get(line)",
-        "    if row is None:",
-        "        row = rows[line] = new_row()",
-        "    row[0] += 1",
-        "    start = w",
+        close += ["b = box[0]", "if b is not None:", "    box[0] = None"]
+        close += [f"    if b[{i}] > v{i}: v{i} = b[{i}]" for i in peaks]
+        close += [f"if v{i} > row[{1 + i}]: row[{1 + i}] = v{i}" for i in peaks]
+        if nested:
+            close += [f"if v{i} > life[{i}]: life[{i}] = v{i}" for i in peaks]
+    close += [f"row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
+    close += [f"row[{1 + j}] = v{j}" for j in currents]
+    close += [f"row[{layout.row_length - 1}] += v{summed[-1]} - s{summed[-1]}"]
+    on_line = [
+        *close,
+        "try:",
+        "    row = rows[frame.f_lineno]",
+        "except KeyError:",
+        "    row = rows[frame.f_lineno] = new_row()",
+        "row[0] += 1",
+        *(f"s{j} = v{j}" for j in summed),
     ]
-    if n_peaks:
-        body += ["elif life is not None:", "    pb = parent_box[0]", "    if pb is None:"]
-        body += ["        parent_box[0] = life", "    else:"]
-        body += [f"        if life[{i}] > pb[{i}]: pb[{i}] = life[{i}]" for i in peaks]
-        body += ["    life = None"]
-    event_body = "\n".join("            " + line for line in body)
+    on_return = list(close)
+    if nested and n_peaks:
+        on_return += ["pb = parent_box[0]", "if pb is None:", "    parent_box[0] = life", "else:"]
+        on_return += [f"    if life[{i}] > pb[{i}]: pb[{i}] = life[{i}]" for i in peaks]
+        on_return += [f"life = [{', '.join('0' for _ in peaks)}]"]
+
+    def indent(lines: list[str]) -> str:
+        return "\n".join("            " + line for line in lines)
+
+    life = f"[{', '.join('0' for _ in peaks)}]" if nested else "None"
     return f"""
-def make_local(rows, new_row, sample, row, start, parent_box, other, owner):
-    box = [None]
-    life = None
-    line = None
+def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box):
+    {starts}, = [start[j] for j in {tuple(summed)!r}]
+    life = {life}
 
     def local(frame, event, arg):
-        nonlocal line, row, start, parent_box, other, life
-        if event == "line" or event == "return":
-            w = sample()
-{event_body}
+        nonlocal row, other, life, {starts}
+        if event == "line":
+            {values} = sample()
+{indent(on_line)}
+        elif event == "return":
+            {values} = sample()
+{indent(on_return)}
         if other is not None:
             other = other(frame, event, arg)
         return local
 
-    def resume(sample_, start_, parent_box_, other_):
-        nonlocal sample, start, parent_box, other, life
-        sample, start, parent_box, other, life = sample_, start_, parent_box_, other_, None
-
     local.memlab_owner = owner
     local.memlab_box = box
     local.memlab_rows = rows
-    local.memlab_resume = resume
+    local.memlab_state = lambda: row
     return local
 """
 
 
-def _local_factory(layout: ColumnLayout) -> Callable[..., TraceFunction]:
-    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner)``.
+def _local_factory(layout: ColumnLayout, nested: bool) -> Callable[..., TraceFunction]:
+    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box)``.
 
     It returns the local tracer of one frame. On a ``line`` or ``return`` event the tracer samples
     the source once and closes the interval of the current line into ``row``: peaks (folded with
     those of profiled callees, posted to ``box``) take the max, sums add the difference of running
-    totals since ``start``, currents take the value at the end; a ``line`` event then opens the
-    next line's interval and counts a hit. At ``return`` (also a ``yield``) the frame posts the
-    highest peaks of its life to ``parent_box``, the box of the nearest profiled caller, since
-    everything this frame did happened inside the caller's line. ``other`` is a chained tool's
-    local tracer for the same frame, called after memlab's work.
+    totals since the interval's start (``start`` for the first one), currents take the value at
+    the end; a ``line`` event then opens the next line's interval and counts a hit. With
+    ``nested``, at ``return`` (also a ``yield``) the frame posts the highest peaks of its life to
+    ``parent_box``, the box of the nearest profiled caller, since everything this frame did
+    happened inside the caller's line. ``other`` is a chained tool's local tracer for the same
+    frame, called after memlab's work.
     """
     namespace: dict[str, Any] = {}
-    exec(compile(_local_factory_source(layout), f"<memlab local tracer {layout.keys}>", "exec"), namespace)
+    source = _local_factory_source(layout, nested)
+    exec(compile(source, f"<memlab local tracer {layout.keys}>", "exec"), namespace)
     return namespace["make_local"]
 
 
@@ -124,7 +132,7 @@ class Tracer:
         self.sample: Sampler | None = None
         self.entry_sample: Sampler | None = None
         self._layout: ColumnLayout | None = None
-        self._make_local: Callable[..., TraceFunction] | None = None
+        self._make_local: tuple[Callable[..., TraceFunction], Callable[..., TraceFunction]] | None = None
         self._thread_hook: TraceFunction | None = None
         self._thread_hook_live: list[bool] = [False]
         self._previous_thread_hook: TraceFunction | None = None
@@ -135,7 +143,8 @@ class Tracer:
         """Begin a session: read ``sample`` at line events and ``entry_sample`` (the current values
         behind the peak columns) at calls; trace threads started from now on."""
         if layout != self._layout:
-            self._layout, self._make_local = layout, _local_factory(layout)
+            self._layout = layout
+            self._make_local = (_local_factory(layout, False), _local_factory(layout, True))
         self.sample, self.entry_sample = sample, entry_sample
         self._previous_thread_hook = threading.gettrace()
         self._thread_hook_live = [True]
@@ -225,14 +234,17 @@ class Tracer:
                     if value > box[i]:
                         box[i] = value
         rows = record.rows
-        local = frame.f_trace
-        if getattr(local, "memlab_owner", None) is self._owner and local.memlab_rows is rows:  # type: ignore[union-attr]
-            local.memlab_resume(sample, start, parent_box, other)  # type: ignore[union-attr]
-            return local  # type: ignore[return-value]
-        entry = rows.get(ENTRY)
-        if entry is None:
-            entry = rows[ENTRY] = layout.new_row()
-        assert self.entry_sample is not None
-        layout.entry_row_update(entry, start, self.entry_sample())
-        scratch = layout.new_row()  # the moment between the call and the first line belongs to no row
-        return self._make_local(rows, layout.new_row, sample, scratch, start, parent_box, other, self._owner)
+        make_local = self._make_local[parent_box is not None]
+        resumed = frame.f_trace
+        if getattr(resumed, "memlab_owner", None) is self._owner and resumed.memlab_rows is rows:  # type: ignore[union-attr]
+            # A generator or coroutine resumed: continue the line it stopped on, in a new local
+            # tracer since the caller (and so the parent box) may have changed.
+            row, box = resumed.memlab_state(), resumed.memlab_box  # type: ignore[union-attr]
+        else:
+            row, box = rows.get(ENTRY), [None]
+            if row is None:
+                row = rows[ENTRY] = layout.new_row()
+            assert self.entry_sample is not None
+            layout.entry_row_update(row, start, self.entry_sample())
+            row = layout.new_row()  # the moment between the call and the first line belongs to no row
+        return make_local(rows, layout.new_row, sample, row, start, parent_box, other, self._owner, box)

@@ -190,6 +190,7 @@ def test_the_report_is_printed_at_exit_once_a_profiled_function_ran(tmp_path):
         "                               5  @memlab.profile\n"
         "      80.00K          2.00M    6  def inner():\n"
         "     120.00K          2.00M    7      torch.nn.Linear(100, 100)\n"
+        "\n\n"
         "## outer\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
         "        peak           peak\n"
         "                               9  @memlab.profile\n"
