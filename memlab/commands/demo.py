@@ -1,0 +1,83 @@
+"""``memlab demo``: the packaged example training script under the line profiler.
+
+The same as ``memlab run -f train_step <memlab>/examples/train.py``: it prints ``train_step`` line by
+line on the default device (on a machine without a GPU, the numbers a CUDA GPU would show).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from memlab._arguments import columns_shown
+from memlab.commands._command import CommandError
+from memlab.commands._program import MainProgram
+from memlab.commands.run import profile_program
+
+__all__ = ["EXAMPLE", "EXAMPLE_FUNCTION", "DemoCommand"]
+
+#: The packaged example script and the function the demo profiles.
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train.py")
+EXAMPLE_FUNCTION = "train_step"
+
+
+class DemoCommand:
+    """``memlab demo [--epochs N] [--device DEVICE] [-c COL]... [-D] [-o FILE]``."""
+
+    help = "profile the packaged example training step, line by line, on the default device"
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.description = (
+            f"Run memlab's example training script ({EXAMPLE}) and print the memory of each line of "
+            f"its {EXAMPLE_FUNCTION}() function: the same as memlab run -f {EXAMPLE_FUNCTION} on it."
+        )
+        parser.add_argument("--epochs", type=int, help="epochs the example trains for (default: its own)")
+        parser.add_argument(
+            "--device",
+            help="make this torch's default device while the example runs, and measure it "
+            "(default: torch's default device; meta estimates without allocating)",
+        )
+        parser.add_argument(
+            "-c", "--column", metavar="COL", action="append", default=[], help="an extra column"
+        )
+        parser.add_argument(
+            "-D", "--no-default-columns", action="store_true", help="hide the default columns"
+        )
+        parser.add_argument(
+            "-o", "--output", metavar="FILE", help="also write the table to FILE (.txt, .json, .csv)"
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        try:
+            columns = columns_shown(args.no_default_columns, args.column)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+        if not os.path.isfile(EXAMPLE):
+            raise CommandError(f"the packaged example {EXAMPLE} is missing; reinstall memlab")
+        device = _device(args.device)
+        program = MainProgram(EXAMPLE, [] if args.epochs is None else ["--epochs", str(args.epochs)])
+        if args.device is None:
+            return profile_program(program, [EXAMPLE_FUNCTION], columns, None, args.output)
+        previous = torch.get_default_device()
+        torch.set_default_device(device)
+        try:
+            return profile_program(program, [EXAMPLE_FUNCTION], columns, device, args.output)
+        finally:
+            torch.set_default_device(None if previous == torch.device("cpu") else previous)
+
+
+def _device(text: str | None) -> torch.device:
+    """``--device`` checked: a device this machine has (``meta`` and ``cpu`` always)."""
+    from memlab.sources.cuda import cuda_device_exists
+
+    if text is None:
+        return torch.get_default_device()
+    try:
+        device = torch.device(int(text) if text.isdigit() else text)
+    except RuntimeError:
+        raise CommandError(f"--device {text}: not a device; e.g. cpu, meta, cuda, cuda:1") from None
+    if device.type == "cuda" and not cuda_device_exists(device):
+        raise CommandError(f"--device {text}: {device} is not available on this machine")
+    return device

@@ -1,0 +1,266 @@
+"""The ``memlab`` command: ``memlab run`` (kernprof-style), ``memlab demo``, ``--version``, errors.
+
+Most runs call ``memlab.cli.main`` in this process (fast); one runs ``python -m memlab`` in a
+subprocess to check the real process's exit status. On CPU the profiler measures through a
+TensorTracker with the CUDA allocator model: ``torch.empty(n, 1024)`` is ``4n`` KiB, rounded to
+512 B, and a first large block reserves a 20 MiB segment, a first small one (<= 1 MiB) 2 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from memlab.cli import main
+from memlab.line_profiler import decorators, read_csv, read_json
+
+SCRIPT = """\
+import argparse, sys
+import torch
+import memlab
+
+class Net:
+    def forward(self, n):
+        return torch.empty(n, 1024)
+
+def work(n):
+    a = torch.empty(n, 1024)
+    b = torch.empty(n, 1024)
+    return a + b
+
+@memlab.profile
+def decorated():
+    return torch.empty(256)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--rows", type=int, default=1024)
+parser.add_argument("--exit", type=int, default=0)
+parser.add_argument("--raise", dest="fail", action="store_true")
+args = parser.parse_args()
+print("argv", sys.argv[1:], __name__, __file__.endswith("script.py"))
+work(args.rows)
+Net().forward(256)
+decorated()
+if args.fail:
+    raise RuntimeError("boom")
+sys.exit(args.exit)
+"""
+# (active_bytes.all.peak, reserved_bytes.all.peak, line, code) of work(1024) on CPU.
+WORK_ROWS = [
+    ("0.00B", "0.00B", "9", "def work(n):"),
+    ("4.00M", "20.00M", "10", "a = torch.empty(n, 1024)"),
+    ("8.00M", "20.00M", "11", "b = torch.empty(n, 1024)"),
+    ("12.00M", "20.00M", "12", "return a + b"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_global_profiler(monkeypatch: Any) -> None:
+    """Each in-process run gets its own decorators' profiler (and tracker), as a new process would."""
+    monkeypatch.setattr(decorators, "_global", None)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "script.py"
+    path.write_text(SCRIPT, encoding="utf-8")
+    return path
+
+
+def tables(text: str) -> dict[str, list[tuple[str, ...]]]:
+    """``{function: [(*values, line, code), ...]}`` from printed tables (two value columns)."""
+    out: dict[str, list[tuple[str, ...]]] = {}
+    rows: list[tuple[str, ...]] = []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            rows = out.setdefault(line[3:], [])
+            continue
+        parts = line.split(None, 3)
+        if len(parts) == 4 and parts[2].isdigit():
+            rows.append(tuple(parts))
+    return out
+
+
+def memlab(*argv: Any) -> int:
+    return main([str(arg) for arg in argv])
+
+
+def test_run_profiles_named_and_decorated_functions(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-f", "work", "-f", "Net.forward", script, "--rows", 1024) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("argv ['--rows', '1024'] __main__ True\n")
+    found = tables(out)
+    assert list(found) == ["work", "Net.forward", "decorated"]
+    assert found["work"] == WORK_ROWS
+    # The 20 MiB segment stays cached; the 1 MiB tensor opens a 2 MiB small-pool segment.
+    assert found["Net.forward"] == [
+        ("0.00B", "20.00M", "6", "def forward(self, n):"),
+        ("1.00M", "22.00M", "7", "return torch.empty(n, 1024)"),
+    ]
+    assert found["decorated"] == [
+        ("0.00B", "22.00M", "15", "def decorated():"),
+        ("1.00K", "22.00M", "16", "return torch.empty(256)"),
+    ]
+
+
+def test_run_forwards_arguments_and_the_exit_status(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-f", "work", script, "--rows", 512, "--exit", 3) == 3
+    out = capsys.readouterr().out
+    assert "argv ['--rows', '512', '--exit', '3']" in out
+    assert tables(out)["work"][-1] == ("6.00M", "20.00M", "12", "return a + b")
+
+
+def test_run_prints_the_table_when_the_script_raises(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-f", "work", script, "--raise") == 1
+    captured = capsys.readouterr()
+    assert tables(captured.out)["work"] == WORK_ROWS
+    assert captured.err.splitlines()[-1] == "RuntimeError: boom"
+    assert f'File "{script}", line 28, in <module>' in captured.err
+    assert "memlab" not in captured.err.replace(str(script), "")
+
+
+def test_run_columns(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-D", "-c", "allocated_bytes.all.current", "-c", "hits", "-f", "work", script) == 0
+    out = capsys.readouterr().out
+    assert "## decorated" in out
+    work = out.split("## work\n")[1].split("\n\n\n")[0]
+    assert work.splitlines()[1].split() == ["allocated_bytes", "hits", "line", "code"]
+    assert [line.split()[:2] for line in work.splitlines()[4:]] == [
+        ["0.00B", "1"],
+        ["4.00M", "1"],
+        ["8.00M", "1"],
+        ["12.00M", "1"],
+    ]
+
+
+def test_run_output_files(script: Path, tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    frames = []
+    for extension in ("json", "csv", "txt"):
+        monkeypatch.setattr(decorators, "_global", None)
+        out = tmp_path / f"profile.{extension}"
+        assert memlab("run", "-f", "work", "-o", out, script) == 0
+        printed = capsys.readouterr().out
+        frames.append(out)
+    assert frames[2].read_text(encoding="utf-8") == printed[printed.index("## work") :]
+    frame = read_json(frames[0])
+    pd.testing.assert_frame_equal(frame, read_csv(frames[1]))
+    assert json.loads(frames[0].read_text(encoding="utf-8"))["columns"] == [
+        "active_bytes.all.peak",
+        "reserved_bytes.all.peak",
+    ]
+    work = frame.loc["work"]
+    assert work.index.tolist() == [9, 10, 11, 12]
+    assert work["active_bytes.all.peak"].tolist() == [0, 4 * 2**20, 8 * 2**20, 12 * 2**20]
+    assert work["reserved_bytes.all.peak"].tolist() == [0, 20 * 2**20, 20 * 2**20, 20 * 2**20]
+    assert frame.loc["decorated"]["active_bytes.all.peak"].tolist()[1:] == [0, 1024]
+
+
+def test_run_module_with_names_resolved_when_they_appear(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    package = tmp_path / "runpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    (package / "helpers.py").write_text(
+        "import torch\n\ndef make():\n    return torch.empty(256)\n\n"
+        "def build():\n    return torch.empty(512)\n",
+        encoding="utf-8",
+    )
+    (package / "__main__.py").write_text(
+        textwrap.dedent(
+            """\
+            import sys
+            def main():
+                from runpkg import helpers
+                from runpkg.helpers import build
+                helpers.make(); build()
+                return len(sys.argv)
+            sys.exit(main())
+            """
+        ),
+        encoding="utf-8",
+    )
+    monkeypatch.chdir(tmp_path)
+    status = memlab("run", "-f", "runpkg.helpers:make", "-f", "build", "-m", "runpkg", "a", "b")
+    assert status == 3
+    found = tables(capsys.readouterr().out)
+    assert found == {
+        "make": [("0.00B", "0.00B", "3", "def make():"), ("1.00K", "2.00M", "4", "return torch.empty(256)")],
+        "build": [
+            ("0.00B", "2.00M", "6", "def build():"),
+            ("2.00K", "2.00M", "7", "return torch.empty(512)"),
+        ],
+    }
+    monkeypatch.delitem(sys.modules, "runpkg.helpers")
+    monkeypatch.delitem(sys.modules, "runpkg")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["run", "missing.py"], "missing.py"),
+        (["run", "-f", "nope", "{script}"], "nope"),
+        (["run", "-c", "active_bytes.all.peek", "-f", "work", "{script}"], "active_bytes.all.peak"),
+        (["run", "-o", "out.xlsx", "{script}"], "out.xlsx"),
+        (["run", "-g", "tpu:x", "-f", "work", "{script}"], "tpu:x"),
+        (["run", "-f", "a-b", "{script}"], "a-b"),
+        (["run", "-m", "no_such_module_here"], "no_such_module_here"),
+        (["run"], "script"),
+        (["run", "--bogus", "{script}"], "--bogus"),
+        (["nope"], "nope"),
+    ],
+)
+def test_errors_are_one_line_with_status_2(argv: list[str], named: str, script: Path, capsys: Any) -> None:
+    argv = [arg.format(script=script) for arg in argv]
+    try:
+        status = main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("memlab") and named in err
+
+
+def test_version_and_help(capsys: Any) -> None:
+    from memlab import __version__
+
+    for argv, text in (
+        (["--version"], f"memlab {__version__}\n"),
+        (["--help"], "run"),
+        (["run", "--help"], "-f FUNC"),
+    ):
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        assert exit.value.code == 0 and text in capsys.readouterr().out
+
+
+def test_python_dash_m_memlab_propagates_the_exit_status(script: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "memlab",
+        "run",
+        "-f",
+        "work",
+        str(script),
+        "--rows",
+        "256",
+        "--exit",
+        "7",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 7, done.stderr
+    assert tables(done.stdout)["work"] == [
+        ("0.00B", "0.00B", "9", "def work(n):"),
+        ("1.00M", "2.00M", "10", "a = torch.empty(n, 1024)"),
+        ("2.00M", "2.00M", "11", "b = torch.empty(n, 1024)"),
+        ("3.00M", "4.00M", "12", "return a + b"),  # a + b opens a second 2 MiB segment
+    ]
