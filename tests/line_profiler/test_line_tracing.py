@@ -224,3 +224,101 @@ def test_profiled_code_returns_the_same_values_and_gradients(exact):
     with lp:
         loss, grad = step()
     assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
+
+
+def blocks(n):
+    for _ in range(n):
+        yield torch.empty(1000, dtype=U8)
+
+
+def consume_blocks():
+    kept = list(blocks(3))
+    return len(kept)
+
+
+def test_a_profiled_generator_driven_by_a_profiled_caller_counts_inside_the_callers_line(exact, rows):
+    lp = memlab.LineProfiler(blocks, consume_blocks, columns=COLUMNS)
+    with lp:
+        assert consume_blocks() == 3
+    assert rows(lp, consume_blocks, ("hits", "allocated_bytes.all.peak")) == [
+        ("def consume_blocks():", 1, 0),
+        ("kept = list(blocks(3))", 1, 3000),
+        ("return len(kept)", 1, 3000),
+    ]
+
+
+def test_the_decorator_traces_a_generator_only_while_it_runs(exact, rows):
+    lp = memlab.LineProfiler(columns=COLUMNS)
+    wrapped = lp(blocks)
+    states = []
+    for block in wrapped(2):
+        states.append((lp.enabled, block.numel()))
+    assert states == [(False, 1000), (False, 1000)]
+    assert rows(lp, blocks, ("hits", "allocated_bytes.all.peak")) == [
+        ("def blocks(n):", 1, 0),
+        ("for _ in range(n):", 3, 1000),
+        ("yield torch.empty(1000, dtype=U8)", 2, 2000),  # the consumer still holds the previous block
+    ]
+
+
+class Holder:
+    def __init__(self):
+        self.cache = []
+
+    @property
+    def grown(self):
+        self.cache.append(torch.empty(256, dtype=U8))
+        return len(self.cache)
+
+    @classmethod
+    def build(cls):
+        return cls()
+
+
+def test_the_decorator_wraps_properties_and_classmethods(exact, rows):
+    lp = memlab.LineProfiler(columns=COLUMNS)
+    Profiled = type("Profiled", (Holder,), {"grown": lp(Holder.grown), "build": lp(Holder.__dict__["build"])})
+    holder = Profiled.build()
+    assert (holder.grown, holder.grown) == (1, 2)
+    assert rows(lp, Holder.grown, ("hits", "allocated_bytes.all.peak"))[1:] == [
+        ("def grown(self):", 2, 256),
+        ("self.cache.append(torch.empty(256, dtype=U8))", 2, 512),
+        ("return len(self.cache)", 2, 512),
+    ]
+    assert rows(lp, Holder.build, ("hits",))[1:] == [("def build(cls):", 1), ("return cls()", 1)]
+
+
+def keep(store):
+    store.append(torch.empty(4096, dtype=U8))
+
+
+def test_the_profilers_own_tracker_persists_between_calls_of_a_decorated_function(rows):
+    lp = memlab.LineProfiler(columns=("allocated_bytes.all.peak", "allocated_bytes.all.current"))
+    profiled_keep = lp(keep)
+    store = []
+    profiled_keep(store)
+    profiled_keep(store)
+    # The second call starts with the first call's block still alive, as a GPU would report it.
+    assert rows(lp, keep, ("hits", "allocated_bytes.all.peak", "allocated_bytes.all.current")) == [
+        ("def keep(store):", 2, 4096, 4096),
+        ("store.append(torch.empty(4096, dtype=U8))", 2, 8192, 8192),
+    ]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_published_example_reads_from_cuda_itself(rows):
+    def build():
+        linear = torch.nn.Linear(100, 100, device="cuda")
+        return linear
+
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_stats()["active_bytes.all.current"]
+    lp = memlab.LineProfiler(build, target_gpu=0)
+    with lp:
+        build()
+    assert lp._session_exit is None
+    assert rows(lp, build, ("hits", "active_bytes.all.peak"))[1] == (
+        'linear = torch.nn.Linear(100, 100, device="cuda")',
+        1,
+        base + 40960,
+    )
