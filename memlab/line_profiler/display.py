@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from memlab._units import format_size
-from memlab.line_profiler.records import DELTA, FunctionTable
+from memlab.line_profiler.records import DELTA, TIME, FunctionTable
 
 __all__ = ["LineStats", "read_csv", "read_json", "to_dataframe", "write_csv", "write_json"]
 
@@ -32,9 +32,21 @@ def _is_bytes(column: str) -> bool:
     return "bytes" in column or column == DELTA
 
 
+def format_time(nanoseconds: int) -> str:
+    """A duration in nanoseconds as people read it: ``850ns``, ``12.30us``, ``4.56ms``, ``1.20s``."""
+    if nanoseconds < 1000:
+        return f"{nanoseconds}ns"
+    for unit, scale in (("us", 1e3), ("ms", 1e6)):
+        if nanoseconds < scale * 1000:
+            return f"{nanoseconds / scale:.2f}{unit}"
+    return f"{nanoseconds / 1e9:.2f}s"
+
+
 def _format(column: str, value: int | None) -> str:
     if value is None:
         return ""
+    if column == TIME:
+        return format_time(value)
     return format_size(value) if _is_bytes(column) else str(value)
 
 

@@ -89,7 +89,9 @@ class LineProfiler(ByCountProfilerMixin):
     at entry (peaks read the current value then).
 
     ``columns`` are the statistics recorded (any key of ``torch.cuda.memory_stats()``, see
-    :data:`memlab.STAT_KEYS`); only recorded statistics can be displayed. ``source`` says where
+    :data:`memlab.STAT_KEYS`, and ``"time"``: wall time in nanoseconds summed over hits, memlab's
+    own overhead of about a microsecond per line included); only recorded statistics can be
+    displayed. ``source`` says where
     the numbers come from: ``None``/``"auto"`` reads the GPU through ``CudaSource`` when
     ``target_gpu`` names a CUDA device that exists, otherwise a :class:`memlab.TensorTracker`
     (CUDA caching allocator model) entered while the profiler is enabled, or the tracker the user
@@ -316,8 +318,8 @@ class LineProfiler(ByCountProfilerMixin):
         """The records as a DataFrame indexed by (``function``, ``line``), one row per source line.
 
         Columns: ``hits`` then the statistics (default: all recorded, then ``delta``), in bytes for
-        ``*_bytes.*`` keys and counts otherwise, as nullable integers (``<NA>`` where a line never
-        ran), then ``code``.
+        ``*_bytes.*`` keys and ``delta``, nanoseconds for ``time``, counts otherwise, as nullable
+        integers (``<NA>`` where a line never ran), then ``code``.
         """
         columns = self._all_columns() if columns is None else validate_columns(columns)
         return _display.to_dataframe(self._tables(func, columns), columns)

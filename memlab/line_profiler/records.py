@@ -23,6 +23,7 @@ __all__ = [
     "ENTRY",
     "EXTRA_COLUMNS",
     "HITS",
+    "TIME",
     "ColumnLayout",
     "FunctionRecord",
     "FunctionTable",
@@ -37,6 +38,8 @@ HITS = "hits"
 #: Net change of ``allocated_bytes.all.current`` over the line's intervals, summed over hits.
 DELTA = "delta"
 EXTRA_COLUMNS = (HITS, DELTA)
+#: Wall time of the line's intervals in nanoseconds, summed over hits (recorded only on request).
+TIME = "time"
 #: Row key of the state at function entry, shown on the ``def`` line.
 ENTRY = 0
 
@@ -57,9 +60,9 @@ def _kind(key: str) -> str:
 def validate_columns(columns: str | Iterable[str], *, extra: bool = True) -> tuple[str, ...]:
     """Return ``columns`` as a tuple after checking every name.
 
-    Valid names are the keys of ``torch.cuda.memory_stats()`` (:data:`memlab.STAT_KEYS`) and,
-    when ``extra``, ``"hits"`` and ``"delta"``. Raises ``TypeError`` for a non-string name and
-    ``ValueError`` listing the valid names for an unknown one.
+    Valid names are the keys of ``torch.cuda.memory_stats()`` (:data:`memlab.STAT_KEYS`),
+    ``"time"`` and, when ``extra``, ``"hits"`` and ``"delta"``. Raises ``TypeError`` for a
+    non-string name and ``ValueError`` listing the valid names for an unknown one.
     """
     if isinstance(columns, str):
         columns = (columns,)
@@ -69,14 +72,14 @@ def validate_columns(columns: str | Iterable[str], *, extra: bool = True) -> tup
         raise TypeError(
             f"columns must be a sequence of statistic names, got {type(columns).__name__} {columns!r}"
         ) from None
-    valid = (*EXTRA_COLUMNS, *STAT_KEYS) if extra else STAT_KEYS
+    valid = (*EXTRA_COLUMNS, TIME, *STAT_KEYS) if extra else (TIME, *STAT_KEYS)
     for name in columns:
         if not isinstance(name, str):
             raise TypeError(f"column names must be strings, got {type(name).__name__} {name!r}")
         if name not in valid:
             raise ValueError(
-                f"unknown column {name!r}; valid columns are the keys of torch.cuda.memory_stats()"
-                f"{' plus hits and delta' if extra else ''}: {', '.join(valid)}"
+                f"unknown column {name!r}; valid columns are the keys of torch.cuda.memory_stats() "
+                f"plus time{', hits and delta' if extra else ''}: {', '.join(valid)}"
             )
     return columns
 
@@ -86,12 +89,13 @@ class ColumnLayout:
 
     A sample (the tuple a source's sampler returns) is ordered peaks, sums, currents, then
     ``allocated_bytes.all.current`` for ``delta`` if not already sampled. A row is
-    ``[hits, *peaks, *sums, *currents, delta]``.
+    ``[hits, *peaks, *sums, *currents, delta]``, then ``time`` if it is recorded.
     """
 
     def __init__(self, keys: Iterable[str]) -> None:
-        keys = tuple(dict.fromkeys(validate_columns(keys, extra=False)))
-        self.keys = keys
+        self.keys = keys = tuple(dict.fromkeys(validate_columns(keys, extra=False)))
+        self.timed = TIME in keys
+        keys = tuple(k for k in keys if k != TIME)
         self.peaks = tuple(k for k in keys if _kind(k) == "peak")
         self.sums = tuple(k for k in keys if _kind(k) == "sum")
         self.currents = tuple(k for k in keys if _kind(k) == "current")
@@ -101,7 +105,9 @@ class ColumnLayout:
         # At entry a peak reads as the statistic's current value.
         self.entry_keys = tuple(k.rsplit(".", 1)[0] + ".current" for k in self.peaks)
         self.row_index = {HITS: 0, **{k: i + 1 for i, k in enumerate(ordered)}, DELTA: len(ordered) + 1}
-        self.row_length = len(ordered) + 2
+        if self.timed:
+            self.row_index[TIME] = len(ordered) + 2
+        self.row_length = len(self.row_index)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ColumnLayout) and other.keys == self.keys

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from memlab.line_profiler.records import ENTRY, ColumnLayout, FunctionRecord
+from memlab.line_profiler.records import DELTA, ENTRY, TIME, ColumnLayout, FunctionRecord
 
 __all__ = ["Tracer"]
 
@@ -39,7 +40,7 @@ def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
     currents = range(n_peaks + n_sums, n_peaks + n_sums + len(layout.currents))
     starts = ", ".join(f"s{j}" for j in summed)
     peaks = range(n_peaks)
-    close = []  # fold the sample into the row of the interval that ends here
+    close = ["t = now()"] if layout.timed else []  # fold the sample into the ending interval's row
     if n_peaks:
         close += ["b = box[0]", "if b is not None:", "    box[0] = None"]
         close += [f"    if b[{i}] > v{i}: v{i} = b[{i}]" for i in peaks]
@@ -48,7 +49,9 @@ def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
             close += [f"if v{i} > life[{i}]: life[{i}] = v{i}" for i in peaks]
     close += [f"row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
     close += [f"row[{1 + j}] = v{j}" for j in currents]
-    close += [f"row[{layout.row_length - 1}] += v{summed[-1]} - s{summed[-1]}"]
+    close += [f"row[{layout.row_index[DELTA]}] += v{summed[-1]} - s{summed[-1]}"]
+    if layout.timed:
+        close += [f"row[{layout.row_index[TIME]}] += t - clock"]
     on_line = [
         *close,
         "try:",
@@ -57,6 +60,7 @@ def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
         "    row = rows[frame.f_lineno] = new_row()",
         "row[0] += 1",
         *(f"s{j} = v{j}" for j in summed),
+        *(["clock = t"] if layout.timed else []),
     ]
     on_return = list(close)
     if nested and n_peaks:
@@ -69,12 +73,12 @@ def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
 
     life = f"[{', '.join('0' for _ in peaks)}]" if nested else "None"
     return f"""
-def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box):
+def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock):
     {starts}, = [start[j] for j in {tuple(summed)!r}]
     life = {life}
 
     def local(frame, event, arg):
-        nonlocal row, other, life, {starts}
+        nonlocal row, other, life, clock, {starts}
         if event == "line":
             {values} = sample()
 {indent(on_line)}
@@ -94,7 +98,7 @@ def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box)
 
 
 def _local_factory(layout: ColumnLayout, nested: bool) -> Callable[..., TraceFunction]:
-    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box)``.
+    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock)``.
 
     It returns the local tracer of one frame. On a ``line`` or ``return`` event the tracer samples
     the source once and closes the interval of the current line into ``row``: peaks (folded with
@@ -104,9 +108,10 @@ def _local_factory(layout: ColumnLayout, nested: bool) -> Callable[..., TraceFun
     ``nested``, at ``return`` (also a ``yield``) the frame posts the highest peaks of its life to
     ``parent_box``, the box of the nearest profiled caller, since everything this frame did
     happened inside the caller's line. ``other`` is a chained tool's local tracer for the same
-    frame, called after memlab's work.
+    frame, called after memlab's work. With a ``time`` column, ``clock`` is the
+    ``time.perf_counter_ns()`` at which the first interval started.
     """
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"now": time.perf_counter_ns}
     source = _local_factory_source(layout, nested)
     exec(compile(source, f"<memlab local tracer {layout.keys}>", "exec"), namespace)
     return namespace["make_local"]
@@ -247,4 +252,7 @@ class Tracer:
             assert self.entry_sample is not None
             layout.entry_row_update(row, start, self.entry_sample())
             row = layout.new_row()  # the moment between the call and the first line belongs to no row
-        return make_local(rows, layout.new_row, sample, row, start, parent_box, other, self._owner, box)
+        clock = time.perf_counter_ns() if layout.timed else 0
+        return make_local(
+            rows, layout.new_row, sample, row, start, parent_box, other, self._owner, box, clock
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 
 import pandas as pd
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import memlab
 from memlab.line_profiler import read_csv, read_json
+from memlab.line_profiler.display import format_time
 
 U8 = torch.uint8
 COLUMNS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
@@ -159,3 +161,34 @@ def test_functions_are_selected_by_callable_name_or_list(profiled):
 
 def test_a_profiler_without_functions_says_so():
     assert repr(memlab.LineProfiler().display()) == "No functions registered\n"
+
+
+def nap():
+    time.sleep(0.01)
+    return 1
+
+
+def test_the_optional_time_column_sums_the_wall_time_of_each_line(exact):
+    lp = memlab.LineProfiler(nap, columns=("time",))
+    with lp:
+        nap()
+        nap()
+    frame = lp.to_dataframe(nap, ("hits", "time"))
+    assert frame["hits"].tolist() == [2, 2, 2]
+    assert frame["time"].iloc[1] >= 20_000_000  # slept at least 2 x 10 ms
+    assert frame["time"].iloc[0] == 0  # the def row is a state, not an interval
+
+
+@pytest.mark.parametrize(
+    ("nanoseconds", "text"),
+    [
+        (0, "0ns"),
+        (999, "999ns"),
+        (1000, "1.00us"),
+        (999_994, "999.99us"),
+        (4_560_000, "4.56ms"),
+        (1_200_000_000, "1.20s"),
+    ],
+)
+def test_times_print_in_human_units(nanoseconds, text):
+    assert format_time(nanoseconds) == text
