@@ -7,7 +7,6 @@ a time, so views stay views and code that holds the tensors keeps working after 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import tempfile
 import weakref
@@ -17,6 +16,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from memlab.reporter import reachable_tensors
 
 __all__ = ["Courtesy"]
 
@@ -71,10 +72,11 @@ class Courtesy:
     replaced meanwhile is left as the user made it.
 
     What it cannot move: memory held by C++ rather than by tensors ``gc`` sees (autograd graphs still
-    alive, their saved tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context); a storage
-    shared with such a tensor stays allocated on the device. Sparse tensors and wrapper subclasses
-    are left in place (``skipped`` counts them); a subclass's inner tensors are moved if ``gc`` sees
-    them. Use it between steps, not while an autograd graph is alive.
+    alive and their saved tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context). A
+    storage that such a hidden tensor shares with visible ones is left in place, since moving it
+    would free nothing and split the views; so are sparse tensors and wrapper subclasses (a
+    subclass's inner tensors move if ``gc`` sees them). ``skipped`` counts the tensors on the device
+    the last yield left in place. Use it between steps, not while an autograd graph is alive.
     """
 
     def __init__(
@@ -180,6 +182,10 @@ class Courtesy:
             if not _on(storage.device, self.device):
                 continue
             groups.setdefault(id(storage), (storage, []))[1].append(tensor)
+        for key, (storage, tensors) in list(groups.items()):
+            if _held_elsewhere(storage, len(tensors)):
+                del groups[key]
+                self.skipped += len(tensors)
         return groups
 
     def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> int:
@@ -268,17 +274,7 @@ class Courtesy:
 def _reachable_tensors() -> list[torch.Tensor]:
     """Tensors ``gc`` tracks, plus the ``.grad`` of leaves and the ``._base`` of views."""
     found: dict[int, torch.Tensor] = {}
-    tensor_types: dict[type, bool] = {}
-    objects = gc.get_objects()
-    stack = []
-    for obj in objects:
-        kind = type(obj)
-        is_tensor = tensor_types.get(kind)
-        if is_tensor is None:
-            is_tensor = tensor_types[kind] = issubclass(kind, torch.Tensor)
-        if is_tensor:
-            stack.append(obj)
-    del objects
+    stack = reachable_tensors()
     while stack:
         tensor = stack.pop()
         if id(tensor) in found:
@@ -289,6 +285,12 @@ def _reachable_tensors() -> list[torch.Tensor]:
         if tensor._is_view() and tensor._base is not None:
             stack.append(tensor._base)
     return list(found.values())
+
+
+def _held_elsewhere(storage: torch.UntypedStorage, visible: int) -> bool:
+    """Whether tensors ``gc`` cannot see also hold ``storage`` (beyond ``visible`` ones and our handle)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(storage._cdata) > visible + 1
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

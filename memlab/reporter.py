@@ -21,7 +21,7 @@ from memlab.reporter_snapshot import MemorySnapshot, SnapshotDiff, TensorRecord,
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["AllocatedMemorySource", "MemReporter", "cuda_block_bytes"]
+__all__ = ["AllocatedMemorySource", "MemReporter", "cuda_block_bytes", "reachable_tensors"]
 
 _CUDA_MIN_BLOCK = 512
 _SPARSE_PARTS = {
@@ -146,7 +146,7 @@ class MemReporter:
         named: dict[int, tuple[torch.Tensor, str, str]] = {}
         self._name_model_tensors(named)
         self._name_optimizer_state(named)
-        found = _reachable_tensors()
+        found = reachable_tensors()
         grads = _gradients([entry[0] for entry in named.values()] + found)
         skip = named.keys() | {id(grad) for grad in grads.values()}
         numbered = self._number_anonymous(found, skip)
@@ -236,8 +236,12 @@ def _with_gradients(
             yield grads[id(tensor)], f"{name}.grad", "gradient"
 
 
-def _reachable_tensors() -> list[torch.Tensor]:
-    """Every tensor object ``gc`` tracks (weak proxies are skipped: they are not tensors)."""
+def reachable_tensors() -> list[torch.Tensor]:
+    """Every tensor object ``gc`` tracks, any device (weak proxies are skipped: they are not tensors).
+
+    Tensors whose Python object was never created (a ``.grad`` made by autograd and not yet read,
+    the base of a view, autograd's saved tensors) are not among them.
+    """
     objects = gc.get_objects()
     kinds = list(map(type, objects))
     tensor_types = {kind for kind in set(kinds) if issubclass(kind, torch.Tensor)}

@@ -229,6 +229,21 @@ def test_cpu_courtesy_never_touches_cuda(tmp_path: Path, monkeypatch: pytest.Mon
     assert data.eq(1).all()
 
 
+@pytest.mark.filterwarnings("ignore:Sparse")
+def test_sparse_tensors_and_storages_shared_with_them_stay_in_place(tmp_path: Path):
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (3,))
+    values = sparse._values()  # gc sees this one, not the sparse tensor's own values tensor
+    storage = values.untyped_storage()
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    courtesy.yield_memory()
+    assert courtesy.skipped >= 2  # the sparse tensor, and values whose storage it shares
+    assert values.untyped_storage() is storage and values.tolist() == [1.0, 2.0]
+    assert sparse.to_dense().tolist() == [1.0, 2.0, 0.0]
+    courtesy.restore()
+    assert values.untyped_storage() is sparse._values().untyped_storage() is storage
+    assert repr(courtesy) == f"Courtesy(device='cpu', offload={str(tmp_path)!r}, yielded_bytes=0)"
+
+
 def test_bad_input_gets_typed_errors_listing_what_is_valid(tmp_path: Path):
     with pytest.raises(
         ValueError, match=r"unknown device 'gpu'; valid: 'cuda', 'cuda:1', an int CUDA index, 'cpu'"

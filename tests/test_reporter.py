@@ -430,6 +430,37 @@ def test_active_tracker_gives_the_allocated_line_for_cpu():
     assert "Storage on meta" not in text
 
 
+def test_device_filter_reports_only_that_device():
+    on_meta = torch.empty(64, device="meta")
+    on_cpu = torch.ones(64)
+    reporter = MemReporter()
+    meta_only = report_text(reporter, device="meta")
+    assert "Storage on meta" in meta_only and "Storage on cpu" not in meta_only
+    cpu_only = report_text(reporter, device=torch.device("cpu"))
+    assert "Storage on cpu" in cpu_only and "Storage on meta" not in cpu_only
+    assert set(reporter.to_dataframe(device="meta")["device"]) == {"meta"}
+    del on_meta, on_cpu
+
+
+def test_verbose_view_of_a_tied_weight_names_the_joined_owner():
+    model = TiedLM()
+    row = model.head.weight[0]
+    verbose = rows(report_text(MemReporter(model), verbose=True))
+    sharing = [r for r in verbose if r[0].endswith("(->embed.weight+head.weight)")]
+    assert len(sharing) == 1 and sharing[0][1:] == ("(16,)", "0.00B")
+    del row
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_have_no_single_shape_but_their_bytes_count():
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)])
+    frame = MemReporter().to_dataframe()
+    mine = frame[frame["shape"].isna() & (frame["storage_bytes"] == 72)]
+    assert len(mine) == 1 and list(mine["memory"]) == [72]
+    assert "nested" in report_text(MemReporter())
+    del nested
+
+
 def test_cuda_rounding_boundaries():
     assert [cuda_block_bytes(n) for n in (0, 1, 511, 512, 513, 40000, 400)] == [
         0,
