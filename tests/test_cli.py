@@ -19,8 +19,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
+import memlab as memlab_package
 from memlab.cli import main
-from memlab.line_profiler import decorators, read_csv, read_json
+from memlab.line_profiler import DEFAULT_COLUMNS, decorators, read_csv, read_json
 
 SCRIPT = """\
 import argparse, sys
@@ -264,3 +265,59 @@ def test_python_dash_m_memlab_propagates_the_exit_status(script: Path) -> None:
         ("2.00M", "2.00M", "11", "b = torch.empty(n, 1024)"),
         ("3.00M", "4.00M", "12", "return a + b"),  # a + b opens a second 2 MiB segment
     ]
+
+
+# -- the packaged example: memlab/examples/train.py ------------------------------------------------
+EXAMPLE = os.path.join(os.path.dirname(memlab_package.__file__), "examples", "train.py")
+# train_step of the example, one epoch on CPU: weights, gradients and both AdamW moments are alive
+# at entry once a step has run; AdamW's temporaries make optimizer.step() the peak.
+TRAIN_STEP_ROWS = [
+    (
+        "24.69M",
+        "42.00M",
+        "38",
+        "def train_step(model: nn.Module, optimizer: Optimizer, inputs: Tensor, targets: Tensor) -> float:",
+    ),
+    ("24.69M", "42.00M", "39", "optimizer.zero_grad(set_to_none=True)"),
+    ("19.40M", "42.00M", "40", "logits = model(inputs)"),
+    ("19.15M", "42.00M", "41", "loss = nn.functional.cross_entropy(logits, targets)"),
+    ("24.95M", "42.00M", "42", "loss.backward()"),
+    ("32.70M", "42.00M", "43", "optimizer.step()"),
+    ("24.70M", "42.00M", "44", "return loss.item()"),
+]
+
+
+def test_memlab_run_on_the_example_script(tmp_path: Path) -> None:
+    """The acceptance run, as a user types it, in a subprocess through the installed command."""
+    out = tmp_path / "out.json"
+    installed = Path(sys.executable).with_name("memlab")
+    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "memlab"]
+    command += ["run", "-f", "train_step", "-o", str(out), EXAMPLE, "--epochs", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("epoch 1: loss ") and not lines[1].startswith("epoch 2")  # --epochs 1
+    assert tables(done.stdout) == {"train_step": TRAIN_STEP_ROWS}
+    frame = read_json(out)
+    assert frame.loc[("train_step", 43)].tolist() == [34289664, 42 * 2**20, "    optimizer.step()"]
+
+
+def test_run_output_loads_back_into_the_profilers_dataframe(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "out.json"
+    assert memlab("run", "-f", "train_step", "-o", out, EXAMPLE, "--epochs", 1) == 0
+    assert tables(capsys.readouterr().out) == {"train_step": TRAIN_STEP_ROWS}
+    expected = decorators.global_line_profiler().to_dataframe("train_step", DEFAULT_COLUMNS)
+    pd.testing.assert_frame_equal(read_json(out), expected)
+    assert expected["active_bytes.all.peak"].max() == 34289664  # 32.70M
+
+
+def test_run_propagates_the_scripts_own_usage_error(capsys: Any) -> None:
+    assert memlab("run", "-f", "train_step", EXAMPLE, "--epochs", 0) == 2
+    captured = capsys.readouterr()
+    assert "--epochs must be at least 1, got 0" in captured.err
+    assert "## train_step\n\nregistered, but never called while profiling" in captured.out
+
+
+def test_demo_profiles_the_example(capsys: Any) -> None:
+    assert memlab("demo", "--epochs", 1) == 0
+    assert tables(capsys.readouterr().out) == {"train_step": TRAIN_STEP_ROWS}
