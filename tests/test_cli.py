@@ -213,6 +213,7 @@ def test_run_module_with_names_resolved_when_they_appear(
         (["run", "-o", "out.xlsx", "{script}"], "out.xlsx"),
         (["run", "-g", "tpu:x", "-f", "work", "{script}"], "tpu:x"),
         (["run", "-f", "a-b", "{script}"], "a-b"),
+        (["run", "-f", "sys", "{script}"], "-f sys"),
         (["run", "-m", "no_such_module_here"], "no_such_module_here"),
         (["run"], "script"),
         (["run", "--bogus", "{script}"], "--bogus"),

@@ -181,6 +181,7 @@ def test_a_cell_that_raises_shows_the_table_so_far(ip: Any) -> None:
     ("line", "cell", "named"),
     [
         ("-f nope x = 1", None, "nope"),
+        ("-f torch x = 1", None, "torch"),
         ("-f work -c bogus work()", None, "bogus"),
         ("-f work", None, "statement"),
         ("-f work", "\n", "statement"),

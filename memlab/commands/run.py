@@ -35,7 +35,8 @@ class FunctionWatch:
 
     Names whose function the program defines are registered by code object before it runs;
     other names are looked up in the program's namespace and in imported modules each time the
-    program imports something (``builtins.__import__`` is wrapped only while names are missing).
+    program imports something (``builtins.__import__`` is wrapped while the program runs, if names
+    are missing when it starts). A name bound to something without Python code is an error.
     """
 
     def __init__(self, texts: Sequence[str], program: MainProgram, profiler: LineProfiler) -> None:
@@ -46,6 +47,7 @@ class FunctionWatch:
         self.program, self.profiler = program, profiler
         self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
         self.pending: list[FunctionName] = []
+        self.errors: list[str] = []
         self._original_import: Any = None
         for name in self.names:
             codes = codes_named(program.code, name.qualname) if self._in_program(name) else []
@@ -61,12 +63,13 @@ class FunctionWatch:
     def _register(self, name: FunctionName, function: Any) -> None:
         try:
             self.profiler.add_function(function)
-        except TypeError as error:
-            raise CommandError(f"-f {name.text}: {error}") from None
+        except TypeError as error:  # reported after the import that found it, not inside the program
+            self.errors.append(f"-f {name.text}: {error}")
+            return
         self.found[name].append(function)
 
     def _look_up(self, namespace: Any, fromlist: Sequence[str], module: Any = None) -> None:
-        """Register the pending names that now resolve; stop watching imports when none is left."""
+        """Register the pending names that now resolve (``module`` is what an import just returned)."""
         for name in list(self.pending):
             found = MISSING
             if name.module is None or self._in_program(name):
@@ -157,6 +160,8 @@ def profile_program(
     profiler.add_columns(columns)
     decorated = set(profiler.at_exit)
     watch = FunctionWatch(functions, program, profiler)
+    if watch.errors:
+        raise CommandError(watch.errors[0])
     try:
         with watch:
             if functions:
@@ -171,6 +176,8 @@ def profile_program(
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
     if shown:
         _print_and_write(profiler, shown, columns, output)
+    if watch.errors and not status:
+        raise CommandError(watch.errors[0])
     if watch.pending:
         missing = watch.pending[0].text
         if status:
