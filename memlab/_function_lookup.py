@@ -57,7 +57,7 @@ def codes_named(code: types.CodeType, qualname: str) -> list[types.CodeType]:
     """The code objects of functions defined anywhere in ``code`` (a compiled module, script or
     cell) whose qualified name is ``qualname``; if none is, those whose plain name is ``qualname``
     (so ``step`` finds ``main.<locals>.step``). Empty when nothing matches."""
-    nested = [c for c in _walk(code) if c.co_name not in ("<lambda>", "<genexpr>", "<listcomp>")]
+    nested = [c for c in _walk(code) if not c.co_name.startswith("<")]  # no lambdas, comprehensions
     exact = [c for c in nested if getattr(c, "co_qualname", c.co_name) == qualname]
     if exact or "." in qualname:
         return exact

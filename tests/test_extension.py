@@ -18,6 +18,7 @@ from IPython.testing import globalipapp
 from IPython.utils.capture import capture_output
 
 import memlab
+from memlab.extension import split_statement
 
 WORK_CELL = """\
 import torch
@@ -243,3 +244,24 @@ def test_importing_memlab_does_not_import_ipython() -> None:
     code = "import sys, memlab; print('IPython' in sys.modules, callable(memlab.load_ipython_extension))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize(
+    ("line", "statement"),
+    [
+        ("-f f x = f(2)", "x = f(2)"),
+        ("-f f   x  =  f( 2 )  ", "x  =  f( 2 )"),
+        ("-qf f f()", "f()"),
+        ("-fwork -rq work()", "work()"),
+        ('-T "my file.txt" -f f f()', "f()"),
+        ("--function=f --quiet f()", "f()"),
+        ('-f f print("it\'s")', 'print("it\'s")'),
+        ("-f f -- -x", "-x"),
+        ("-f f", ""),
+        ("", ""),
+    ],
+)
+def test_split_statement_keeps_the_statement_verbatim(line: str, statement: str) -> None:
+    options, rest = split_statement(line)
+    assert rest == statement
+    assert line.startswith(options)
