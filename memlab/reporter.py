@@ -1,7 +1,8 @@
 """MemReporter: name every tensor ``gc`` can reach and say how much memory its storage takes.
 
-Tensors are found by walking ``gc``, named from a model and optimizers, grouped by storage identity
-and counted once per storage. The records and their renderers live in :mod:`memlab.reporter_snapshot`.
+This module finds tensors (walking ``gc``) and names them from a model and optimizers;
+:mod:`memlab.reporter_records` turns them into records, one storage counted once, and
+:mod:`memlab.reporter_snapshot` holds the records and renders them.
 """
 
 from __future__ import annotations
@@ -14,24 +15,15 @@ from collections.abc import Iterable, Iterator, Set
 from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memlab.reporter_records import RecordBuilder
 from memlab.reporter_snapshot import MemorySnapshot, SnapshotDiff, TensorRecord, paused_gc
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["AllocatedMemorySource", "MemReporter", "cuda_block_bytes", "reachable_tensors"]
+__all__ = ["AllocatedMemorySource", "MemReporter", "reachable_tensors"]
 
-_CUDA_MIN_BLOCK = 512
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
 
@@ -40,15 +32,6 @@ class AllocatedMemorySource(Protocol):
     """Anything that knows the bytes allocated on a device (e.g. :class:`memlab.TensorTracker`)."""
 
     def memory_allocated(self, device: torch.device | str | int | None = None) -> int: ...
-
-
-def cuda_block_bytes(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a ``nbytes`` storage.
-
-    Requests round up to a multiple of 512 B (so 1..512 B take 512 B); an empty storage takes
-    nothing. Whole-block hand-outs and ``roundup_power2_divisions`` are not modelled here.
-    """
-    return -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
 
 
 class MemReporter:
@@ -165,7 +148,7 @@ class MemReporter:
             if not grads.keys().isdisjoint(map(id, tensors)):
                 anonymous = _with_gradients(anonymous, grads)
         del named, numbered
-        builder = _RecordBuilder(dtypes)
+        builder = RecordBuilder(dtypes)
         builder.add_plain(itertools.chain(ordered, anonymous))
         return builder.records
 
@@ -261,102 +244,6 @@ def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
                 seen.add(id(grad))
                 grads[id(tensor)] = grad
     return grads
-
-
-def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
-    """The storage-holding tensors behind ``tensor``: itself, or a sparse / wrapper tensor's parts."""
-    if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        for attr in attrs:
-            inner = getattr(tensor, attr)
-            if isinstance(inner, torch.Tensor):
-                yield from _parts(inner, f"{name}.{attr}")
-        return
-    accessors = _SPARSE_PARTS.get(tensor.layout)
-    if accessors is None:
-        yield tensor, name
-        return
-    for accessor in accessors:
-        yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
-
-
-class _RecordBuilder:
-    """Turns tensors into records; the first tensor seen on a storage owns it, later ones share it."""
-
-    def __init__(self, dtypes: bool) -> None:
-        self.with_dtypes = dtypes
-        self.records: list[TensorRecord] = []
-        self.owners: dict[int, tuple[torch.UntypedStorage, str, int | None, str]] = {}
-        self.devices: dict[torch.device, tuple[str, bool]] = {}
-        self.dtypes: dict[torch.dtype, str] = {}
-
-    def add_plain(self, tensors: Iterable[tuple[torch.Tensor, str, str | None]]) -> None:
-        """The hot loop for ``torch.Tensor`` and ``nn.Parameter``; other tensors go to :meth:`add`."""
-        append, make = self.records.append, tuple.__new__  # a record without NamedTuple's overhead
-        owners, devices, dtypes, with_dtypes = self.owners, self.devices, self.dtypes, self.with_dtypes
-        plain_types, record, object_id, kind = _PLAIN_TYPES, TensorRecord, id, type
-        for tensor, name, category in tensors:
-            if kind(tensor) not in plain_types:
-                self.add(tensor, name, category)
-                continue
-            try:
-                storage = tensor.untyped_storage()
-                shape = tensor.shape
-            except RuntimeError:  # sparse layouts, nested tensors
-                self.add(tensor, name, category)
-                continue
-            dtype = ""
-            if with_dtypes:
-                dtype = dtypes.get(tensor.dtype)
-                if dtype is None:
-                    dtype = dtypes[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
-            key = object_id(storage)
-            owner = owners.get(key)
-            if owner is not None:
-                append(make(record, (name, category, owner[1], shape, dtype, owner[2], 0, owner[3])))
-                continue
-            device = devices.get(storage.device)
-            if device is None:
-                device = devices[storage.device] = (str(storage.device), storage.device.type == "cuda")
-            nbytes = storage.nbytes()
-            owners[key] = (storage, device[0], nbytes, name)
-            memory = cuda_block_bytes(nbytes) if device[1] else nbytes
-            append(make(record, (name, category, device[0], shape, dtype, nbytes, memory, None)))
-
-    def add(self, top: torch.Tensor, top_name: str, category: str | None) -> None:
-        """Any tensor: sparse and wrapper tensors by their parts; symbolic or unreadable sizes as unknown."""
-        if category is None:  # an unnamed subclass instance
-            category = "parameter" if isinstance(top, torch.nn.Parameter) else "other"
-        for tensor, name in _parts(top, top_name):
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            try:
-                shape: tuple[int | str, ...] | None = tuple(
-                    d if isinstance(d, int) else str(d) for d in tensor.shape
-                )
-            except RuntimeError:  # nested tensors have no single shape
-                shape = None
-            try:
-                storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError):  # no storage to read
-                self.records.append(
-                    TensorRecord(name, category, str(tensor.device), shape, dtype, None, None)
-                )
-                continue
-            owner = self.owners.get(id(storage))
-            if owner is not None:
-                self.records.append(
-                    TensorRecord(name, category, owner[1], shape, dtype, owner[2], 0, owner[3])
-                )
-                continue
-            device = str(storage.device)
-            nbytes = storage.nbytes()
-            if not isinstance(nbytes, int):  # symbolic
-                nbytes = None
-            memory = (
-                cuda_block_bytes(nbytes) if nbytes is not None and storage.device.type == "cuda" else nbytes
-            )
-            self.owners[id(storage)] = (storage, device, nbytes, name)
-            self.records.append(TensorRecord(name, category, device, shape, dtype, nbytes, memory))
 
 
 def _device_filter(device: torch.device | str | int | None) -> str | None:

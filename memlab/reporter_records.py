@@ -1,0 +1,136 @@
+"""From tensors to :class:`~memlab.reporter_snapshot.TensorRecord` s: storage identity and bytes.
+
+Tensors sharing a storage (the ``UntypedStorage`` object, never ``data_ptr``: every ``meta`` tensor
+has data pointer 0) are grouped; the first one seen owns the storage's bytes, the others share them.
+Sparse tensors count through their indices and values, wrapper subclasses through their inner tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from memlab.reporter_snapshot import TensorRecord
+
+__all__ = ["RecordBuilder", "cuda_block_bytes"]
+
+_CUDA_MIN_BLOCK = 512
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator hands out for a ``nbytes`` storage.
+
+    Requests round up to a multiple of 512 B (so 1..512 B take 512 B); an empty storage takes
+    nothing. Whole-block hand-outs and ``roundup_power2_divisions`` are not modelled here.
+    """
+    return -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+
+
+def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
+    """The storage-holding tensors behind ``tensor``: itself, or a sparse / wrapper tensor's parts."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, torch.Tensor):
+                yield from _parts(inner, f"{name}.{attr}")
+        return
+    accessors = _SPARSE_PARTS.get(tensor.layout)
+    if accessors is None:
+        yield tensor, name
+        return
+    for accessor in accessors:
+        yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
+
+
+class RecordBuilder:
+    """Turns tensors into records; the first tensor seen on a storage owns it, later ones share it.
+
+    ``dtypes=False`` leaves ``dtype`` empty (the text report does not print it). The builder holds
+    the storages it has seen, so that their ``id`` stays unique: drop it when done.
+    """
+
+    def __init__(self, dtypes: bool) -> None:
+        self.with_dtypes = dtypes
+        self.records: list[TensorRecord] = []
+        self.owners: dict[int, tuple[torch.UntypedStorage, str, int | None, str]] = {}
+        self.devices: dict[torch.device, tuple[str, bool]] = {}
+        self.dtypes: dict[torch.dtype, str] = {}
+
+    def add_plain(self, tensors: Iterable[tuple[torch.Tensor, str, str | None]]) -> None:
+        """The hot loop for ``torch.Tensor`` and ``nn.Parameter``; other tensors go to :meth:`add`."""
+        append, make = self.records.append, tuple.__new__  # a record without NamedTuple's overhead
+        owners, devices, dtypes, with_dtypes = self.owners, self.devices, self.dtypes, self.with_dtypes
+        plain_types, record, object_id, kind = _PLAIN_TYPES, TensorRecord, id, type
+        for tensor, name, category in tensors:
+            if kind(tensor) not in plain_types:
+                self.add(tensor, name, category)
+                continue
+            try:
+                storage = tensor.untyped_storage()
+                shape = tensor.shape
+            except RuntimeError:  # sparse layouts, nested tensors
+                self.add(tensor, name, category)
+                continue
+            dtype = ""
+            if with_dtypes:
+                dtype = dtypes.get(tensor.dtype)
+                if dtype is None:
+                    dtype = dtypes[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+            key = object_id(storage)
+            owner = owners.get(key)
+            if owner is not None:
+                append(make(record, (name, category, owner[1], shape, dtype, owner[2], 0, owner[3])))
+                continue
+            device = devices.get(storage.device)
+            if device is None:
+                device = devices[storage.device] = (str(storage.device), storage.device.type == "cuda")
+            nbytes = storage.nbytes()
+            owners[key] = (storage, device[0], nbytes, name)
+            memory = cuda_block_bytes(nbytes) if device[1] else nbytes
+            append(make(record, (name, category, device[0], shape, dtype, nbytes, memory, None)))
+
+    def add(self, top: torch.Tensor, top_name: str, category: str | None) -> None:
+        """Any tensor: sparse and wrapper tensors by their parts; symbolic or unreadable sizes as unknown."""
+        if category is None:  # an unnamed subclass instance
+            category = "parameter" if isinstance(top, torch.nn.Parameter) else "other"
+        for tensor, name in _parts(top, top_name):
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            try:
+                shape: tuple[int | str, ...] | None = tuple(
+                    d if isinstance(d, int) else str(d) for d in tensor.shape
+                )
+            except RuntimeError:  # nested tensors have no single shape
+                shape = None
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):  # no storage to read
+                self.records.append(
+                    TensorRecord(name, category, str(tensor.device), shape, dtype, None, None)
+                )
+                continue
+            owner = self.owners.get(id(storage))
+            if owner is not None:
+                self.records.append(
+                    TensorRecord(name, category, owner[1], shape, dtype, owner[2], 0, owner[3])
+                )
+                continue
+            device = str(storage.device)
+            nbytes = storage.nbytes()
+            if not isinstance(nbytes, int):  # symbolic
+                nbytes = None
+            memory = (
+                cuda_block_bytes(nbytes) if nbytes is not None and storage.device.type == "cuda" else nbytes
+            )
+            self.owners[id(storage)] = (storage, device, nbytes, name)
+            self.records.append(TensorRecord(name, category, device, shape, dtype, nbytes, memory))
