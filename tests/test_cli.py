@@ -128,6 +128,11 @@ def test_run_prints_the_table_when_the_script_raises(script: Path, capsys: Any) 
     assert "memlab" not in captured.err.replace(str(script), "")
 
 
+def test_run_on_an_explicit_device_measures_the_same_on_cpu(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-g", "cpu", "-f", "work", script) == 0
+    assert tables(capsys.readouterr().out)["work"] == WORK_ROWS
+
+
 def test_run_columns(script: Path, capsys: Any) -> None:
     assert memlab("run", "-D", "-c", "allocated_bytes.all.current", "-c", "hits", "-f", "work", script) == 0
     out = capsys.readouterr().out
@@ -218,6 +223,8 @@ def test_run_module_with_names_resolved_when_they_appear(
         (["run"], "script"),
         (["run", "--bogus", "{script}"], "--bogus"),
         (["nope"], "nope"),
+        (["demo", "--device", "cuda:99"], "cuda:99"),
+        (["demo", "--device", "meta"], "meta"),
     ],
 )
 def test_errors_are_one_line_with_status_2(argv: list[str], named: str, script: Path, capsys: Any) -> None:

@@ -36,8 +36,8 @@ class DemoCommand:
         parser.add_argument("--epochs", type=int, help="epochs the example trains for (default: its own)")
         parser.add_argument(
             "--device",
-            help="make this torch's default device while the example runs, and measure it "
-            "(default: torch's default device; meta estimates without allocating)",
+            help="make this torch's default device while the example runs, and measure it: cpu or a "
+            "CUDA device (default: torch's default device)",
         )
         parser.add_argument(
             "-c", "--column", metavar="COL", action="append", default=[], help="an extra column"
@@ -69,7 +69,8 @@ class DemoCommand:
 
 
 def _device(text: str | None) -> torch.device:
-    """``--device`` checked: a device this machine has (``meta`` and ``cpu`` always)."""
+    """``--device`` checked: a device this machine has. (The example reads its loss with
+    ``loss.item()``, so it cannot run on ``meta``.)"""
     from memlab.sources.cuda import cuda_device_exists
 
     if text is None:
@@ -77,7 +78,9 @@ def _device(text: str | None) -> torch.device:
     try:
         device = torch.device(int(text) if text.isdigit() else text)
     except RuntimeError:
-        raise CommandError(f"--device {text}: not a device; e.g. cpu, meta, cuda, cuda:1") from None
+        raise CommandError(f"--device {text}: not a device; e.g. cpu, cuda, cuda:1") from None
+    if device.type == "meta":
+        raise CommandError("--device meta: the example reads its loss values, which meta tensors do not have")
     if device.type == "cuda" and not cuda_device_exists(device):
         raise CommandError(f"--device {text}: {device} is not available on this machine")
     return device
