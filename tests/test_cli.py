@@ -267,6 +267,7 @@ def test_python_dash_m_memlab_propagates_the_exit_status(script: Path) -> None:
     ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 7, done.stderr
+    assert done.stdout.count("## decorated") == 1  # printed by memlab run, not again at exit
     assert tables(done.stdout)["work"] == [
         ("0.00B", "0.00B", "9", "def work(n):"),
         ("1.00M", "2.00M", "10", "a = torch.empty(n, 1024)"),
