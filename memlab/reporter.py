@@ -1,8 +1,8 @@
 """MemReporter: name every tensor ``gc`` can reach and say how much memory its storage takes.
 
 This module finds tensors (walking ``gc``) and names them from a model and optimizers;
-:mod:`memlab.reporter_records` turns them into records, one storage counted once, and
-:mod:`memlab.reporter_snapshot` holds the records and renders them.
+:mod:`memlab.reporter_records` turns them into records, one storage counted once;
+:mod:`memlab.reporter_snapshot` holds and renders them; :mod:`memlab.reporter_diff` compares two.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 
+from memlab.reporter_diff import SnapshotDiff
 from memlab.reporter_records import RecordBuilder
-from memlab.reporter_snapshot import MemorySnapshot, SnapshotDiff, TensorRecord, paused_gc
+from memlab.reporter_snapshot import MemorySnapshot, TensorRecord, paused_gc
 
 if TYPE_CHECKING:
     import pandas as pd

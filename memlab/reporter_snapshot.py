@@ -1,7 +1,7 @@
-"""What :class:`memlab.MemReporter` records, and its renderers: the text report, DataFrames, diffs.
+"""What :class:`memlab.MemReporter` records, and two renderers of it: the text report and DataFrames.
 
 A :class:`MemorySnapshot` is plain data (names, shapes, byte counts), captured once and holding no
-tensor; the text report, ``to_dataframe()`` and :class:`SnapshotDiff` all render the same records.
+tensor; the text report, ``to_dataframe()`` and :mod:`memlab.reporter_diff` all read the same records.
 """
 
 from __future__ import annotations
@@ -24,20 +24,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CATEGORIES",
-    "DiffEntry",
     "MemorySnapshot",
-    "SnapshotDiff",
     "TensorRecord",
     "device_matches",
+    "device_order",
+    "format_shape",
+    "paused_gc",
 ]
 
-CATEGORIES = ("parameter", "gradient", "buffer", "optimizer state", "other")
+CATEGORIES = ("parameter", "buffer", "gradient", "optimizer state", "other")
 
-_RULE = "-" * 79
+RULE = "-" * 79
 # TensorRecord fields, read in C
 _NAME, _DEVICE, _SHAPE, _MEMORY, _SHARES_WITH = (operator.itemgetter(i) for i in (0, 2, 3, 6, 7))
-_NAME_WIDTH = 40
-_SIZE_WIDTH = 20
+NAME_WIDTH = 40
+SIZE_WIDTH = 20
 _MEM_WIDTH = 10
 
 
@@ -72,10 +73,11 @@ class TensorRecord(NamedTuple):
     @property
     def size_text(self) -> str:
         """The shape as the report prints it: ``(1024, 1024)``, ``(1024,)``, ``()``, ``nested``."""
-        return _size_text(self.shape)
+        return format_shape(self.shape)
 
 
-def _size_text(shape: tuple[int | str, ...] | None) -> str:
+def format_shape(shape: tuple[int | str, ...] | None) -> str:
+    """``(1024, 1024)``, ``(1024,)``, ``()``, ``(s0, 4)`` for symbolic sizes, ``nested`` for ``None``."""
     if shape is None:
         return "nested"
     return tuple.__repr__(shape).replace("'", "")  # symbolic sizes print bare: (s0, 4)
@@ -101,7 +103,8 @@ def device_matches(device: str, wanted: str | None) -> bool:
     return device == wanted or (":" not in wanted and device.split(":", 1)[0] == wanted)
 
 
-def _device_order(device: str) -> tuple[str, int]:
+def device_order(device: str) -> tuple[str, int]:
+    """Sort key for device strings: by type, then index (``cpu``, ``cuda:0``, ``cuda:1``, ``meta``)."""
     kind, _, index = device.partition(":")
     return kind, int(index) if index.isdigit() else -1
 
@@ -111,7 +114,7 @@ class MemorySnapshot:
     """The tensors ``gc`` could reach at one moment, named and grouped by storage; no tensor is held.
 
     ``records`` are in report order (parameters each followed by their gradient, buffers, optimizer
-    state, then other tensors by first appearance). ``allocated`` maps a device to the bytes a
+    state, then other tensors by their ``TensorN`` number). ``allocated`` maps a device to the bytes a
     memory source reported as allocated there at the same moment and the source's name (only for
     devices where one knows it: ``torch.cuda`` on CUDA devices, a :class:`memlab.TensorTracker` or
     the ``source`` passed to the reporter elsewhere).
@@ -124,7 +127,7 @@ class MemorySnapshot:
     @property
     def devices(self) -> list[str]:
         """Devices with at least one record, in report order (``cpu``, ``cuda:0``, ``cuda:1``, ``meta``)."""
-        return sorted(set(map(_DEVICE, self.records)), key=_device_order)
+        return sorted(set(map(_DEVICE, self.records)), key=device_order)
 
     def select(self, device: str | None = None, verbose: bool = True) -> list[TensorRecord]:
         """Records on ``device`` (``None`` = all, ``"cuda"`` = every CUDA device); with
@@ -155,14 +158,14 @@ class MemorySnapshot:
         records = self.select(device, verbose)
         # Sizes and byte counts repeat: format each distinct one once (C-level passes over the rows).
         shapes, memories = list(map(_SHAPE, records)), list(map(_MEMORY, records))
-        size_texts = {shape: _size_text(shape) for shape in set(shapes)}
+        size_texts = {shape: format_shape(shape) for shape in set(shapes)}
         memory_texts = {memory: _memory_text(memory) for memory in set(memories)}
         if verbose:
             labels = [r.name if r.shares_with is None else f"{r.name}(->{r.shares_with})" for r in records]
         else:
             labels = list(map(_NAME, records))
-        width = max(_NAME_WIDTH, max(map(len, labels), default=0) + 2)
-        size_width = max(_SIZE_WIDTH, max(map(len, size_texts.values()), default=0) + 2)
+        width = max(NAME_WIDTH, max(map(len, labels), default=0) + 2)
+        size_width = max(SIZE_WIDTH, max(map(len, size_texts.values()), default=0) + 2)
         template = f"%-{width}s%{size_width}s%{_MEM_WIDTH}s"
         lines = list(
             map(
@@ -175,7 +178,7 @@ class MemorySnapshot:
                 ),
             )
         )
-        rule = "-" * max(len(_RULE), width + size_width + _MEM_WIDTH)
+        rule = "-" * max(len(RULE), width + size_width + _MEM_WIDTH)
         out = [template % ("Element type", "Size", "Used MEM")]
         devices = list(map(_DEVICE, records))
         one_device = len(set(devices)) == 1
@@ -254,138 +257,3 @@ def _explain_difference(device: str, allocated: int, used: int, source: str) -> 
         f"{source} reports {gap} less than the tensors above: it does not count storages that "
         "existed before it started or were allocated outside it"
     )
-
-
-@dataclass(frozen=True)
-class DiffEntry:
-    """How one named tensor changed between two snapshots.
-
-    ``change`` is ``"appeared"``, ``"disappeared"``, ``"grew"`` or ``"shrank"``; ``before`` and
-    ``after`` are the bytes the report counted for it (``0`` where it did not exist).
-    """
-
-    change: str
-    device: str
-    name: str
-    category: str
-    shape: tuple[int | str, ...] | None
-    before: int
-    after: int
-
-    @property
-    def delta(self) -> int:
-        """``after - before`` in bytes."""
-        return self.after - self.before
-
-
-@dataclass(frozen=True)
-class SnapshotDiff:
-    """What appeared, disappeared, grew or shrank between two :class:`MemorySnapshot` s.
-
-    Tensors are matched by device and name: parameters, buffers, gradients and optimizer state by
-    their names (a gradient replaced by a new tensor of the same size is no change), other tensors
-    by the ``TensorN`` name a reporter keeps for the same tensor object while it lives. Bytes are
-    those the report counts (each storage once, under its owner). Tensors whose size is symbolic
-    only appear or disappear.
-    """
-
-    before: MemorySnapshot
-    after: MemorySnapshot
-    entries: tuple[DiffEntry, ...]
-
-    @classmethod
-    def between(cls, before: MemorySnapshot, after: MemorySnapshot) -> SnapshotDiff:
-        """Compare ``before`` with the later ``after``."""
-        old = {(r.device, r.name): r for r in before.records}
-        new = {(r.device, r.name): r for r in after.records}
-        entries = []
-        for key, record in new.items():
-            previous = old.get(key)
-            now = record.memory or 0
-            if previous is None:
-                entries.append(_entry("appeared", record, 0, now))
-            elif (previous.memory or 0) != now:
-                then = previous.memory or 0
-                entries.append(_entry("grew" if now > then else "shrank", record, then, now))
-        entries += [_entry("disappeared", r, r.memory or 0, 0) for key, r in old.items() if key not in new]
-        entries.sort(key=lambda e: _device_order(e.device))
-        return cls(before, after, tuple(entries))
-
-    def _of(self, change: str) -> list[DiffEntry]:
-        return [entry for entry in self.entries if entry.change == change]
-
-    @property
-    def appeared(self) -> list[DiffEntry]:
-        """Tensors present only in the later snapshot."""
-        return self._of("appeared")
-
-    @property
-    def disappeared(self) -> list[DiffEntry]:
-        """Tensors present only in the earlier snapshot."""
-        return self._of("disappeared")
-
-    @property
-    def grew(self) -> list[DiffEntry]:
-        """Tensors counted with more bytes in the later snapshot."""
-        return self._of("grew")
-
-    @property
-    def shrank(self) -> list[DiffEntry]:
-        """Tensors counted with fewer bytes in the later snapshot."""
-        return self._of("shrank")
-
-    def memory_change(self, device: str | None = None) -> int:
-        """Change in counted bytes on ``device`` (``None`` = all devices, ``"cuda"`` = all CUDA)."""
-        return sum(e.delta for e in self.entries if device_matches(e.device, device))
-
-    def render(self, device: str | None = None) -> str:
-        """The diff as text: one block per device, one line per changed tensor, then counts."""
-        entries = [e for e in self.entries if device_matches(e.device, device)]
-        width = max([_NAME_WIDTH - 12, *(len(e.name) + 2 for e in entries)])
-        line = f"{{:<12s}}{{:<{width}s}}{{:>{_SIZE_WIDTH}s}}{{:>10s}}{{:>10s}}{{:>10s}}"
-        rule = "-" * max(len(_RULE), 12 + width + _SIZE_WIDTH + 30)
-        out = [line.format("Change", "Element type", "Size", "Before", "After", "Delta")]
-        for dev in sorted({e.device for e in entries}, key=_device_order):
-            out += [rule, f"Storage on {dev}"]
-            for e in (e for e in entries if e.device == dev):
-                size = _size_text(e.shape)
-                out.append(
-                    line.format(
-                        e.change, e.name, size, format_size(e.before), format_size(e.after), _signed(e.delta)
-                    )
-                )
-        out.append(rule)
-        counts = "  ".join(
-            f"{c.capitalize()}: {len(self._of(c))}" for c in ("appeared", "disappeared", "grew", "shrank")
-        )
-        out.append(f"{counts}  Used Memory change: {_signed(self.memory_change(device))}")
-        return "\n".join(out)
-
-    def report(self, device: str | None = None, stream: TextIO | None = None) -> None:
-        """Write :meth:`render` to ``stream`` (default: ``sys.stdout`` at call time)."""
-        print(self.render(device), file=sys.stdout if stream is None else stream)
-
-    def to_dataframe(self) -> pd.DataFrame:
-        """One row per change: ``change``, ``device``, ``name``, ``category``, ``shape``, ``before``,
-        ``after``, ``delta`` (bytes)."""
-        import pandas as pd
-
-        columns = ["change", "device", "name", "category", "shape", "before", "after", "delta"]
-        return pd.DataFrame(
-            [
-                [e.change, e.device, e.name, e.category, e.shape, e.before, e.after, e.delta]
-                for e in self.entries
-            ],
-            columns=columns,
-        )
-
-    def __str__(self) -> str:
-        return self.render()
-
-
-def _entry(change: str, record: TensorRecord, before: int, after: int) -> DiffEntry:
-    return DiffEntry(change, record.device, record.name, record.category, record.shape, before, after)
-
-
-def _signed(nbytes: int) -> str:
-    return ("+" if nbytes > 0 else "") + format_size(nbytes)
