@@ -11,12 +11,13 @@ import io
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from memlab._units import format_size
 from memlab.line_profiler.records import DELTA, TIME, FunctionTable
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["LineStats", "read_csv", "read_json", "to_dataframe", "write_csv", "write_json"]
 
@@ -145,6 +146,8 @@ class LineStats:
 # -- tabular exports ------------------------------------------------------------------------------
 def _frame(rows: list[list[Any]], columns: Sequence[str]) -> pd.DataFrame:
     """The public DataFrame from ``[function, line, *values, code]`` rows."""
+    import pandas as pd  # only when asked for a DataFrame: importing memlab stays light
+
     index = pd.MultiIndex.from_arrays(
         [pd.Index([r[0] for r in rows], dtype=object), pd.Index([r[1] for r in rows], dtype="int64")],
         names=_INDEX,
@@ -167,6 +170,8 @@ def to_dataframe(tables: Sequence[FunctionTable], columns: Sequence[str]) -> pd.
 
 
 def _rows(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
+    import pandas as pd
+
     columns = [c for c in frame.columns if c != "code"]
     rows = []
     for (function, line), record in zip(frame.index, frame.itertuples(index=False), strict=True):

@@ -12,9 +12,8 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 from line_profiler.profiler_mixin import ByCountProfilerMixin
 
@@ -28,6 +27,9 @@ from memlab.line_profiler.records import (
 )
 from memlab.line_profiler.tracer import Tracer
 from memlab.sources.base import MemorySource
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["LineProfiler", "normalize_target"]
 
