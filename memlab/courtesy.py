@@ -58,7 +58,8 @@ class Courtesy:
     On CUDA it then calls ``torch.cuda.empty_cache()``.
 
     ``offload="cpu"`` keeps the bytes in host memory (the tensors live on the CPU meanwhile).
-    ``offload=<directory>`` writes each storage to a file there (raw bytes) and leaves shape-only
+    ``offload=<directory>`` writes each storage to a file there (its raw bytes: no pickle, and read
+    back straight into the new device buffer or a staging buffer) and leaves shape-only
     placeholders: the tensors keep their ``shape`` and ``dtype`` but sit on the CPU over one shared
     element per dtype (stride 0, NaN for floating types), so they free host memory too; reading
     them gives NaN or 0 and writing to them raises. ``Courtesy(device="cpu", offload=directory)``
@@ -74,8 +75,8 @@ class Courtesy:
     What it cannot move: memory held by C++ rather than by tensors ``gc`` sees (autograd graphs still
     alive and their saved tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context). A
     storage that such a hidden tensor shares with visible ones is left in place, since moving it
-    would free nothing and split the views; so are sparse tensors and wrapper subclasses (a
-    subclass's inner tensors move if ``gc`` sees them). ``skipped`` counts the tensors on the device
+    would free nothing and split the views; so are sparse, nested and quantized tensors and wrapper
+    subclasses (a subclass's inner tensors move if ``gc`` sees them). ``skipped`` counts the tensors on the device
     the last yield left in place. Use it between steps, not while an autograd graph is alive.
     """
 
@@ -168,7 +169,7 @@ class Courtesy:
             if type(tensor) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(tensor):
                 self.skipped += 1
                 continue
-            if tensor.layout is not torch.strided or tensor.is_nested:
+            if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized:
                 self.skipped += 1
                 continue
             try:
