@@ -76,8 +76,9 @@ class Courtesy:
     alive and their saved tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context). A
     storage that such a hidden tensor shares with visible ones is left in place, since moving it
     would free nothing and split the views; so are sparse, nested and quantized tensors and wrapper
-    subclasses (a subclass's inner tensors move if ``gc`` sees them). ``skipped`` counts the tensors on the device
-    the last yield left in place. Use it between steps, not while an autograd graph is alive.
+    subclasses (a subclass's inner tensors move if ``gc`` sees them). ``skipped`` counts the tensors
+    on the device the last yield left in place. Use it between steps, not while an autograd graph is
+    alive, and not while other threads use the tensors.
     """
 
     def __init__(
