@@ -102,7 +102,8 @@ def profile_every(
     """Profile a function line by line and print its statistics every ``output_interval`` calls.
 
     Each report covers only the calls since the previous one and is headed with their range,
-    e.g. ``## step (calls 3-4)``; calls left over at exit are not printed. ``enable=False`` (or
+    e.g. ``## step (calls 3-4)``; calls left over at exit are not printed. A call of a generator
+    or coroutine function ends when it is exhausted or awaited. ``enable=False`` (or
     ``MEMLAB_PROFILE=0``) returns the function unchanged, so the decorator can stay in the code.
     Numbers are those of :class:`memlab.LineProfiler`, written to ``sys.stdout`` as it is at the
     time of the report.
@@ -133,6 +134,17 @@ def profile_every(
                 table.name += f" (calls {first}-{calls})" if first != calls else f" (call {calls})"
             sys.stdout.write(repr(stats))
             profiler.clear(func)
+
+        if inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def run_generator(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return (yield from profiled(*args, **kwargs))
+                finally:
+                    report()
+
+            return run_generator  # type: ignore[return-value]
 
         if inspect.iscoroutinefunction(func):
 

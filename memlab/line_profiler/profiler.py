@@ -68,7 +68,9 @@ def _code_objects(func: Any) -> list[types.CodeType]:
         functions = ByCountProfilerMixin.get_underlying_functions(func)
     except TypeError as error:
         raise TypeError(f"cannot profile {func!r}: {error}") from None
-    codes = [f.__code__ for f in functions if isinstance(f, types.FunctionType)]
+    # Decorated functions (ours included) are traced through to the function they wrap.
+    functions = [inspect.unwrap(f) for f in functions]
+    codes = list(dict.fromkeys(f.__code__ for f in functions if isinstance(f, types.FunctionType)))
     if not codes:
         raise TypeError(
             f"cannot profile {func!r}: it has no Python code to trace (builtins and C extensions "
@@ -103,7 +105,8 @@ class LineProfiler(ByCountProfilerMixin):
     What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
     cannot see: kernel workspaces, the CUDA context, NCCL buffers); ops of threads other than the
     one that entered the tracker; with ``CudaSource``, each sample resets CUDA's peak counters.
-    Several threads profiled at once share one sampling window, so their peaks mix.
+    Several threads profiled at once share one sampling window, so their peaks mix; so do two
+    profilers enabled at once on the same source.
     """
 
     def __init__(

@@ -231,3 +231,35 @@ def test_memlab_profile_0_runs_without_tracing_or_report(tmp_path):
         MEMLAB_PROFILE="0",
     )
     assert out == "None\n"
+
+
+def test_profile_every_on_a_generator_reports_when_the_generator_is_exhausted(global_profiler, exact, capsys):
+    @memlab.profile_every(1, columns=("hits", "allocated_bytes.all.peak"))
+    def chunks(n):
+        for _ in range(n):
+            yield torch.empty(1024, dtype=U8)
+
+    assert [c.numel() for c in chunks(2)] == [1024, 1024]
+    out = capsys.readouterr().out
+    assert out.count("## ") == 1 and "(call 1)" in out
+    assert out.splitlines()[-1].split()[:2] == ["2", "2.00K"]
+
+
+def test_the_decorator_on_a_class_profiles_its_methods(global_profiler, exact, capsys):
+    @memlab.profile(columns=("hits",))
+    class Counter:
+        def __init__(self):
+            self.count = 0
+
+        def bump(self):
+            self.count += 1
+            return self.count
+
+    counter = Counter()
+    assert (counter.bump(), counter.bump()) == (1, 2)
+    global_profiler.print_at_exit()
+    out = capsys.readouterr().out
+    assert out.count("## ") == 2
+    assert [line.split()[0] for line in out.splitlines() if line.strip().endswith("return self.count")] == [
+        "2"
+    ]
