@@ -95,11 +95,14 @@ class LineProfiler(ByCountProfilerMixin):
     ``columns`` are the statistics recorded (any key of ``torch.cuda.memory_stats()``, see
     :data:`memlab.STAT_KEYS`, and ``"time"``: wall time in nanoseconds summed over hits, memlab's
     own overhead of about a microsecond per line included); only recorded statistics can be
-    displayed. ``source`` says where
-    the numbers come from: ``None``/``"auto"`` reads the GPU through ``CudaSource`` when
-    ``target_gpu`` names a CUDA device that exists, otherwise a :class:`memlab.TensorTracker`
-    (CUDA caching allocator model) entered while the profiler is enabled, or the tracker the user
-    already entered; ``"cuda"`` and ``"tracker"`` force one; a ``MemorySource`` is used as it is.
+    displayed.
+
+    ``source`` says where the numbers come from: ``None``/``"auto"`` reads the GPU through
+    ``CudaSource`` when ``target_gpu`` names a CUDA device that exists, otherwise a
+    :class:`memlab.TensorTracker` (CUDA caching allocator model) entered while the profiler is
+    enabled, or the tracker the user already entered; ``"cuda"`` and ``"tracker"`` force one; a
+    ``MemorySource`` is used as it is (enter a tracker yourself). The profiler's own tracker is
+    kept between sessions, so memory a profiled call keeps is still counted at the next call.
     Without a GPU, an ``int`` target measures the default device (``torch.get_default_device()``).
 
     What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
