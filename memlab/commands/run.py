@@ -147,7 +147,10 @@ def profile_program(
     The table has ``columns`` (checked by the caller); ``output`` (``.txt``, ``.json``, ``.csv``)
     receives the same table. The numbers are those of :class:`memlab.LineProfiler` on ``target``
     (default 0: the GPU, or without one the default device through a tensor tracker modelling the
-    CUDA caching allocator). A name that never appears is a :class:`CommandError` after the run.
+    CUDA caching allocator, which cannot see kernel workspaces, the CUDA context or memory
+    allocated outside PyTorch). A name that never appears is a :class:`CommandError` after the run.
+    With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
+    new frame pays for a trace-function call; with decorators only, only while they run.
     """
     _output_format(output)
     profiler = global_line_profiler()
@@ -202,6 +205,14 @@ class RunCommand:
             "Run a Python script as __main__ with its own arguments, like kernprof, and print the "
             "memory of functions decorated with @memlab.profile or named with -f, line by line, at "
             "the end (also when the script raises or exits). Exits with the script's status."
+        )
+        parser.epilog = (
+            "Each row covers the time from the start of a line to the start of the next line of the "
+            "same call; peak columns are the highest value in it, in bytes (40.00K = 40 KiB); calls "
+            "made on a line count inside it. Without a GPU a tensor tracker replays the script's "
+            "tensors through a model of the CUDA caching allocator: what a GPU would show, except what "
+            "a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside "
+            "PyTorch)."
         )
         parser.add_argument(
             "-f",
