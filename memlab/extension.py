@@ -295,14 +295,16 @@ class MemlabMagics(Magics):
     @magic_arguments()
     @argument("-v", "--verbose", action="store_true", help="Also list tensors sharing a storage.")
     @argument("-d", "--device", metavar="DEVICE", help="Only this device (cpu, cuda, cuda:1, meta).")
-    @argument("model", nargs="?", help="A torch.nn.Module in the namespace, naming its tensors.")
+    @argument(
+        "model", metavar="MODEL", nargs="?", help="A torch.nn.Module in the namespace, naming its tensors."
+    )
     @line_magic
     @needs_local_scope
     def memreport(self, line: str = "", local_ns: dict[str, Any] | None = None) -> None:
         """Print every tensor ``gc`` can reach, per device, each storage counted once.
 
         A thin shell over :class:`memlab.MemReporter`: ``MODEL`` names parameters, buffers and
-        gradients; optimizers in the namespace name their state (``AdamW.0.weight.exp_avg``).
+        gradients; optimizers in the namespace name their state (``AdamW.weight.exp_avg``).
         Sizes are storage bytes (``nbytes``; on CUDA rounded to the allocator's 512 B blocks).
         Not visible: autograd's saved tensors, C++-held buffers, the allocator's cache.
         """
