@@ -263,3 +263,20 @@ def test_the_decorator_on_a_class_profiles_its_methods(global_profiler, exact, c
     assert [line.split()[0] for line in out.splitlines() if line.strip().endswith("return self.count")] == [
         "2"
     ]
+
+
+def test_set_target_gpu_inside_profiled_code_applies_from_the_next_call(global_profiler, exact, rows):
+    @memlab.profile(columns=("allocated_bytes.all.peak",))
+    def make():
+        block = torch.empty(1024, dtype=U8, device="meta")
+        memlab.set_target_gpu(torch.device("meta"))
+        return block
+
+    make()  # measured on the default device (cpu): the meta block is not there
+    make()  # measured on meta
+    assert rows(global_profiler, make, ("hits", "allocated_bytes.all.peak"))[2] == (
+        'block = torch.empty(1024, dtype=U8, device="meta")',
+        2,
+        1024,
+    )
+    assert global_profiler.target_gpu == torch.device("meta")
