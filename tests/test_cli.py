@@ -8,6 +8,7 @@ TensorTracker with the CUDA allocator model: ``torch.empty(n, 1024)`` is ``4n`` 
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import subprocess
@@ -195,8 +196,10 @@ def test_run_module_with_names_resolved_when_they_appear(
         encoding="utf-8",
     )
     monkeypatch.chdir(tmp_path)
+    imports, path, main_module = builtins.__import__, sys.path[:], sys.modules["__main__"]
     status = memlab("run", "-f", "runpkg.helpers:make", "-f", "build", "-m", "runpkg", "a", "b")
     assert status == 3
+    assert (builtins.__import__, sys.path, sys.modules["__main__"]) == (imports, path, main_module)
     found = tables(capsys.readouterr().out)
     assert found == {
         "make": [("0.00B", "0.00B", "3", "def make():"), ("1.00K", "2.00M", "4", "return torch.empty(256)")],

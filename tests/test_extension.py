@@ -71,7 +71,9 @@ def test_load_ext_registers_the_magics(ip: Any) -> None:
 
 
 def test_cell_magic_profiles_a_function_defined_in_the_cell(ip: Any) -> None:
+    trace = sys.gettrace()
     result, _ = run(ip, "%%mlrun -f work\n" + WORK_CELL)
+    assert sys.gettrace() is trace and memlab.sources.tracker.active_tracker() is None
     assert result.error_in_exec is None
     assert repr(result.result).startswith("## work\n")
     assert rows(result.result) == WORK_ROWS
