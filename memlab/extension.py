@@ -8,6 +8,7 @@ renders (HTML in a notebook, text in a terminal), :class:`memlab.MemReporter` re
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import shlex
 import types
@@ -263,7 +264,8 @@ class MemlabMagics(Magics):
                     exec(statement_code, self.shell.user_ns, local_ns)
                     functions.after_statement(bound)
         except BaseException:
-            self._show(profiler, [f for found in functions.found.values() for f in found], columns, args)
+            with contextlib.suppress(Exception):  # the code's own error matters more than the table
+                self._show(profiler, [f for found in functions.found.values() for f in found], columns, args)
             raise
         stats = self._show(profiler, functions.check(), columns, args, returned=not args.return_profiler)
         if args.return_profiler:
