@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["AllocatedMemorySource", "MemReporter", "reachable_tensors"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
 _ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
 
 
@@ -142,8 +143,8 @@ class MemReporter:
                 ordered.append((grads[id(tensor)], f"{name}.grad", "gradient"))
         anonymous: Iterable[tuple[torch.Tensor, str, str | None]] = ()
         if numbered:
-            # Transpose in C; plain tensors are "other", parameters "parameter", subclasses decided later.
-            _, names, tensors = zip(*numbered, strict=True)
+            # Columns in C; plain tensors are "other", parameters "parameter", subclasses decided later.
+            names, tensors = list(map(_SECOND, numbered)), list(map(_THIRD, numbered))
             categories = map(_ANONYMOUS_CATEGORY.get, map(type, tensors))
             anonymous = zip(tensors, names, categories, strict=True)
             if not grads.keys().isdisjoint(map(id, tensors)):

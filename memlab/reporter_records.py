@@ -92,10 +92,14 @@ class RecordBuilder:
             if owner is not None:
                 append(make(record, (name, category, owner[1], shape, dtype, owner[2], 0, owner[3])))
                 continue
+            nbytes = storage.nbytes()
+            if tensor.is_cpu:  # the common case, without hashing a torch.device
+                owners[key] = (storage, "cpu", nbytes, name)
+                append(make(record, (name, category, "cpu", shape, dtype, nbytes, nbytes, None)))
+                continue
             device = devices.get(storage.device)
             if device is None:
                 device = devices[storage.device] = (str(storage.device), storage.device.type == "cuda")
-            nbytes = storage.nbytes()
             owners[key] = (storage, device[0], nbytes, name)
             memory = cuda_block_bytes(nbytes) if device[1] else nbytes
             append(make(record, (name, category, device[0], shape, dtype, nbytes, memory, None)))
