@@ -122,6 +122,11 @@ class MemReporter:
 
     # -- collection --------------------------------------------------------------------------
     def _snapshot(self, source: AllocatedMemorySource | None, dtypes: bool = True) -> MemorySnapshot:
+        if source is not None and not callable(getattr(source, "memory_allocated", None)):
+            raise TypeError(
+                "source must have a memory_allocated(device) method (e.g. a memlab.TensorTracker), "
+                f"got {type(source).__name__}"
+            )
         if self.pre_collect:
             gc.collect()
         records = self._collect_records(dtypes)

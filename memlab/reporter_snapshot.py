@@ -250,8 +250,8 @@ def _explain_difference(device: str, allocated: int, used: int, source: str) -> 
     gap = format_size(abs(allocated - used))
     if allocated > used:
         why = "memory gc cannot see (autograd's saved tensors, C++-held buffers, kernel workspaces)"
-        if device.startswith("cuda"):
-            why += " and whole allocator blocks handed out for smaller requests"
+        if device.startswith("cuda") or source != "torch.cuda":
+            why += " or allocator blocks larger than the requests"
         return f"{source} reports {gap} more than the tensors above: {why}"
     return (
         f"{source} reports {gap} less than the tensors above: it does not count storages that "

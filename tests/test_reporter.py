@@ -408,8 +408,14 @@ def test_allocated_memory_line_and_explanation_from_a_source():
     assert "The allocated memory on meta: " + _fmt(used + 2048) in lines
     assert (
         "_FixedSource reports 2.00K more than the tensors above: memory gc cannot see "
-        "(autograd's saved tensors, C++-held buffers, kernel workspaces)"
+        "(autograd's saved tensors, C++-held buffers, kernel workspaces) or allocator blocks larger "
+        "than the requests"
     ) in lines
+    fewer = report_text(reporter, device="meta", source=_FixedSource(used - 1024)).splitlines()
+    assert (
+        "_FixedSource reports 1.00K less than the tensors above: it does not count storages that "
+        "existed before it started or were allocated outside it"
+    ) in fewer
     same = report_text(reporter, device="meta", source=_FixedSource(used)).splitlines()
     assert "The allocated memory on meta: " + _fmt(used) in same
     assert not [line for line in same if "reports" in line]
@@ -480,6 +486,8 @@ def test_bad_input_gets_typed_errors_listing_what_is_valid():
         MemReporter().add_optimizer({"lr": 1})
     with pytest.raises(ValueError, match=r"'gpu' is not a device; valid forms are 'cpu', 'meta', 'cuda'"):
         MemReporter().report(device="gpu", stream=io.StringIO())
+    with pytest.raises(TypeError, match=r"source must have a memory_allocated\(device\) method"):
+        MemReporter().report(source=object(), stream=io.StringIO())
 
 
 @pytest.mark.cuda
