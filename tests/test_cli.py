@@ -333,3 +333,8 @@ def test_run_propagates_the_scripts_own_usage_error(capsys: Any) -> None:
 def test_demo_profiles_the_example(capsys: Any) -> None:
     assert memlab("demo", "--epochs", 1) == 0
     assert tables(capsys.readouterr().out) == {"train_step": TRAIN_STEP_ROWS}
+
+
+def test_run_without_names_shows_the_decorated_functions(capsys: Any) -> None:
+    assert memlab("run", EXAMPLE, "--epochs", 1) == 0
+    assert tables(capsys.readouterr().out) == {"train_step": TRAIN_STEP_ROWS}
