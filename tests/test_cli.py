@@ -338,3 +338,10 @@ def test_demo_profiles_the_example(capsys: Any) -> None:
 def test_run_without_names_shows_the_decorated_functions(capsys: Any) -> None:
     assert memlab("run", EXAMPLE, "--epochs", 1) == 0
     assert tables(capsys.readouterr().out) == {"train_step": TRAIN_STEP_ROWS}
+
+
+def test_extra_columns_for_a_decorated_function_that_never_ran(tmp_path: Path, capsys: Any) -> None:
+    script = tmp_path / "never.py"
+    script.write_text("import memlab\n\n@memlab.profile\ndef never():\n    pass\n", encoding="utf-8")
+    assert memlab("run", "-c", "allocated_bytes.all.current", script) == 0
+    assert capsys.readouterr().out == "## never\n\nregistered, but never called while profiling\n"
