@@ -54,9 +54,8 @@ def main() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
     tensors = make_tensors(args.tensors)
-    print(
-        f"torch {torch.__version__}; {len(tensors)} live tensors and a 2-layer model; {args.repeat} reports each"
-    )
+    setup = f"{len(tensors)} live tensors + a 2-layer model; {args.repeat} reports each"
+    print(f"torch {torch.__version__}; {setup}")
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # pytorch_memlab prints at import
             from pytorch_memlab import MemReporter as OriginalMemReporter

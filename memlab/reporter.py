@@ -245,11 +245,13 @@ def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     grads: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
     for tensor in itertools.compress(tensors, map(_REQUIRES_GRAD, tensors)):
-        if tensor.is_leaf:
-            grad = tensor.grad
-            if grad is not None and id(grad) not in seen:
-                seen.add(id(grad))
-                grads[id(tensor)] = grad
+        try:
+            grad = tensor.grad if tensor.is_leaf else None
+        except Exception:  # subclasses that refuse (e.g. an uninitialized lazy parameter)
+            continue
+        if grad is not None and id(grad) not in seen:
+            seen.add(id(grad))
+            grads[id(tensor)] = grad
     return grads
 
 

@@ -108,17 +108,21 @@ class RecordBuilder:
         """Any tensor: sparse and wrapper tensors by their parts; symbolic or unreadable sizes as unknown."""
         if category is None:  # an unnamed subclass instance
             category = "parameter" if isinstance(top, torch.nn.Parameter) else "other"
-        for tensor, name in _parts(top, top_name):
+        try:
+            parts = list(_parts(top, top_name))
+        except Exception:  # a subclass that refuses to be flattened: list it, size unknown
+            parts = [(top, top_name)]
+        for tensor, name in parts:
             dtype = str(tensor.dtype).removeprefix("torch.")
             try:
                 shape: tuple[int | str, ...] | None = tuple(
                     d if isinstance(d, int) else str(d) for d in tensor.shape
                 )
-            except RuntimeError:  # nested tensors have no single shape
+            except Exception:  # nested tensors have no single shape; odd subclasses refuse
                 shape = None
             try:
                 storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError):  # no storage to read
+            except Exception:  # no storage to read (e.g. an uninitialized lazy parameter)
                 self.records.append(
                     TensorRecord(name, category, str(tensor.device), shape, dtype, None, None)
                 )

@@ -49,8 +49,8 @@ class TensorRecord(NamedTuple):
     report counts for this row: the storage's bytes (rounded up to the CUDA allocator's 512 B blocks
     on CUDA devices) for the row that owns the storage, ``0`` for a row that shares a storage owned
     by the row named in ``shares_with``. Both are ``None`` when the size is symbolic or the storage
-    cannot be read. ``shape`` is ``None`` for nested tensors, which have no single shape, and holds
-    strings for symbolic sizes.
+    cannot be read. ``shape`` holds strings for symbolic sizes and is ``None`` for tensors without a
+    single shape (nested tensors) or refusing to give one (an uninitialized lazy parameter).
     """
 
     name: str
@@ -72,14 +72,14 @@ class TensorRecord(NamedTuple):
 
     @property
     def size_text(self) -> str:
-        """The shape as the report prints it: ``(1024, 1024)``, ``(1024,)``, ``()``, ``nested``."""
+        """The shape as the report prints it: ``(1024, 1024)``, ``(1024,)``, ``()``, ``?``."""
         return format_shape(self.shape)
 
 
 def format_shape(shape: tuple[int | str, ...] | None) -> str:
-    """``(1024, 1024)``, ``(1024,)``, ``()``, ``(s0, 4)`` for symbolic sizes, ``nested`` for ``None``."""
+    """``(1024, 1024)``, ``(1024,)``, ``()``, ``(s0, 4)`` for symbolic sizes, ``?`` for no shape."""
     if shape is None:
-        return "nested"
+        return "?"
     return tuple.__repr__(shape).replace("'", "")  # symbolic sizes print bare: (s0, 4)
 
 

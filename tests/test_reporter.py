@@ -18,7 +18,7 @@ from memlab import MemReporter
 from memlab.reporter_records import cuda_block_bytes
 from memlab.sources.tracker import TensorTracker
 
-_ROW = re.compile(r"^(?P<name>\S+)\s+(?P<size>\(.*?\)|nested)\s+(?P<mem>\S+)$")
+_ROW = re.compile(r"^(?P<name>\S+)\s+(?P<size>\(.*?\)|\?)\s+(?P<mem>\S+)$")
 
 
 def report_text(reporter: MemReporter, **kwargs) -> str:
@@ -260,6 +260,16 @@ def test_symbolic_sizes_are_listed_but_not_counted():
     del fake
 
 
+def test_uninitialized_lazy_parameters_are_listed_with_unknown_size():
+    model = nn.LazyLinear(4)
+    text = report_text(MemReporter(model))
+    assert named_rows(text) == [("weight", "?", "?"), ("bias", "?", "?")]
+    assert "2 tensor(s) of unknown size (symbolic shapes, or no readable storage)" in text
+    frame = MemReporter(model).to_dataframe()
+    weight = frame[frame["name"] == "weight"].iloc[0]
+    assert (weight["category"], weight["memory"], weight["storage_bytes"]) == ("parameter", None, None)
+
+
 def test_no_reference_to_any_tensor_is_kept_after_report():
     model = nn.Linear(8, 8)
     loose = torch.ones(1000)
@@ -463,7 +473,7 @@ def test_nested_tensors_have_no_single_shape_but_their_bytes_count():
     frame = MemReporter().to_dataframe()
     mine = frame[frame["shape"].isna() & (frame["storage_bytes"] == 72)]
     assert len(mine) == 1 and list(mine["memory"]) == [72]
-    assert "nested" in report_text(MemReporter())
+    assert any(size == "?" and mem == "72.00B" for _, size, mem in rows(report_text(MemReporter())))
     del nested
 
 
