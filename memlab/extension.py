@@ -230,7 +230,8 @@ class MemlabMagics(Magics):
         GPU the numbers come from a :class:`memlab.TensorTracker` replaying the code's tensor
         allocations through a model of the CUDA caching allocator: what a GPU would show, minus
         what a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside
-        PyTorch). Returns the table (HTML in a notebook, text in a terminal); with ``-r`` shows
+        PyTorch) and tensors created before the magic ran (unless a tracker was entered before).
+        Returns the table (HTML in a notebook, text in a terminal); with ``-r`` shows
         it and returns the profiler. If the code raises, the table so far is shown first.
         """
         options, statement = split_statement(line)
