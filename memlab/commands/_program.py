@@ -44,7 +44,7 @@ class MainProgram:
             self.code = compile(source, path, "exec", dont_inherit=True)
             self.globals.update(__file__=path, __spec__=None, __loader__=None, __package__=None)
             self.path_entry = os.path.dirname(path)
-        self.argv = [path, *args]
+        self.argv = [path if as_module else target, *args]  # as python sets sys.argv[0]
 
     def run(self) -> int:
         """Run the program and return its exit status: 0, the ``sys.exit`` code, 1 after an
