@@ -66,8 +66,9 @@ def run(ip: Any, cell: str) -> tuple[Any, Any]:
 def test_load_ext_registers_the_magics(ip: Any) -> None:
     magics = ip.magics_manager.magics
     assert "mlrun" in magics["line"] and "mlrun" in magics["cell"] and "memreport" in magics["line"]
-    assert memlab.load_ipython_extension.__module__ == "memlab"  # importing memlab imports no IPython:
-    # tests/test_import.py checks that in a fresh interpreter.
+    # %load_ext memlab calls memlab.load_ipython_extension, defined so that importing memlab does
+    # not import IPython (tests/test_import.py checks that in a fresh interpreter).
+    assert memlab.load_ipython_extension.__module__ == "memlab"
 
 
 def test_cell_magic_profiles_a_function_defined_in_the_cell(ip: Any) -> None:
