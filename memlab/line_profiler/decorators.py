@@ -21,6 +21,7 @@ from memlab.line_profiler.profiler import LineProfiler, Target
 from memlab.line_profiler.records import DEFAULT_COLUMNS, validate_columns
 
 __all__ = [
+    "GlobalLineProfiler",
     "clear_global_line_profiler",
     "global_line_profiler",
     "profile",
@@ -32,8 +33,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 _OFF_VALUES = ("0", "false", "no", "off")
 
 
-class _GlobalLineProfiler(LineProfiler):
-    """The decorators' profiler: prints the ``@profile`` functions at exit once any of them ran."""
+class GlobalLineProfiler(LineProfiler):
+    """The decorators' profiler: prints the ``@profile`` functions at exit once any of them ran.
+
+    ``at_exit`` maps each ``@profile`` function to the columns of its exit report; a tool that
+    prints a function's table itself (``memlab run``) removes it there.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,16 +57,16 @@ class _GlobalLineProfiler(LineProfiler):
         sys.stdout.write("\n\n".join(tables))
 
 
-_global: _GlobalLineProfiler | None = None
+_global: GlobalLineProfiler | None = None
 _global_lock = threading.Lock()
 
 
-def global_line_profiler() -> LineProfiler:
+def global_line_profiler() -> GlobalLineProfiler:
     """The profiler behind ``@profile`` and ``@profile_every`` (created on first use)."""
     global _global
     with _global_lock:
         if _global is None:
-            _global = _GlobalLineProfiler()
+            _global = GlobalLineProfiler()
         return _global
 
 
@@ -89,7 +94,6 @@ def profile(func: Any = None, *, columns: str | Iterable[str] = DEFAULT_COLUMNS)
     if _profiling_off():
         return func
     profiler = global_line_profiler()
-    assert isinstance(profiler, _GlobalLineProfiler)
     profiler.add_function(func)
     profiler.add_columns(columns)
     profiler.at_exit[func] = columns
