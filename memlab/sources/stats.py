@@ -11,7 +11,7 @@ is what gives the line profiler per-line peaks without touching the user-visible
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 
 __all__ = [
     "COUNTERS",
@@ -134,37 +134,46 @@ class StatTable:
         for name in _RESETTABLE_COUNTERS:
             self.counters[name] = 0
 
-    def sampler(self, keys: Sequence[str]) -> Callable[[], tuple[int, ...]]:
+    def sampler(
+        self, keys: Sequence[str], pending: Sized = (), flush: Callable[[], object] | None = None
+    ) -> Callable[[], tuple[int, ...]]:
         """Return a function that reads ``keys`` and then starts a new sampling window.
 
         Each call returns one value per key, in order. For a ``*.peak`` key the value is the
         highest reached since the previous call of the same sampler (the window), not the
         user-visible peak, which is left untouched. Other keys read as in :meth:`as_dict`.
+        ``flush`` is called first whenever ``pending`` is non-empty (a tracker's queued frees).
         Raises ``ValueError`` naming the valid keys for an unknown key. Two samplers of one
         table share the window, so run one line profiler at a time per table.
+
+        The function is generated with its reads unrolled: the line profiler calls it on every
+        line event, so it must cost little more than building the tuple.
         """
-        getters: list[Callable[[], int]] = []
-        windowed: list[list[int]] = []
+        names: dict[str, object] = {"counters": self.counters, "pending": pending, "flush": flush}
+        reads: list[str] = []
+        resets: list[str] = []
         for key in keys:
             if key not in STAT_KEYS:
                 raise ValueError(f"unknown statistic {key!r}; valid keys are: {', '.join(STAT_KEYS)}")
             if key in self.counters:
-                getters.append(lambda name=key: self.counters[name])
+                reads.append(f"counters[{key!r}]")
                 continue
             base, metric = key.rsplit(".", 1)
             stat = self.stats[base]
+            name = f"s{len(names)}"
+            names[name] = stat
             if metric == "peak":
-                windowed.append(stat)
-                getters.append(lambda s=stat: s[WINDOW_PEAK])
-            else:
-                getters.append(lambda s=stat, i=_METRIC_INDEX[metric]: s[i])
-        for stat in windowed:
-            stat[WINDOW_PEAK] = stat[CURRENT]
-
-        def sample() -> tuple[int, ...]:
-            values = tuple([get() for get in getters])
-            for stat in windowed:
                 stat[WINDOW_PEAK] = stat[CURRENT]
-            return values
-
-        return sample
+                reads.append(f"{name}[{WINDOW_PEAK}]")
+                resets.append(f"    {name}[{WINDOW_PEAK}] = {name}[{CURRENT}]\n")
+            else:
+                reads.append(f"{name}[{_METRIC_INDEX[metric]}]")
+        source = (
+            "def sample():\n"
+            + ("    if pending:\n        flush()\n" if flush is not None else "")
+            + f"    values = ({', '.join(reads)}{',' if len(reads) == 1 else ''})\n"
+            + "".join(resets)
+            + "    return values\n"
+        )
+        exec(source, names)
+        return names["sample"]  # type: ignore[return-value]

@@ -217,15 +217,7 @@ class TensorTracker(TorchDispatchMode):
         Each call returns the current values of ``keys``; a ``*.peak`` key reads the highest value
         since the previous call of the same sampler, leaving the user-visible peak untouched.
         """
-        table_sample = self._stats_allocator(device).table.sampler(keys)
-        pending, drain = self._pending, self._drain
-
-        def sample() -> tuple[int, ...]:
-            if pending:
-                drain()
-            return table_sample()
-
-        return sample
+        return self._stats_allocator(device).table.sampler(keys, self._pending, self._drain)
 
     def memory_allocated(self, device: torch.device | str | int | None = None) -> int:
         """Bytes currently allocated to tensors on ``device`` (``allocated_bytes.all.current``)."""
