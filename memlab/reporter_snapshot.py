@@ -195,9 +195,10 @@ class MemorySnapshot:
         """The report's rows as a DataFrame, one row per listed tensor.
 
         Columns: ``device``, ``name``, ``category`` (one of :data:`CATEGORIES`), ``shape`` (a
-        tuple, ``None`` for nested tensors), ``dtype``, ``numel``, ``memory`` (bytes counted, as in
+        tuple, ``None`` without a single shape), ``dtype``, ``numel``, ``memory`` (bytes counted, as in
         the report), ``storage_bytes`` (exact bytes of the storage) and ``shares_with`` (the
-        owner's name for rows sharing its storage, else ``None``). Unknown sizes are ``None``.
+        owner's name for rows sharing its storage, else ``None``). Byte and element counts are
+        nullable integers (``Int64``): unknown sizes are ``<NA>``.
         """
         import pandas as pd
 
@@ -216,7 +217,9 @@ class MemorySnapshot:
             ]
             for r in self.select(device, verbose)
         ]
-        return pd.DataFrame(data, columns=[*columns, "shares_with"])
+        frame = pd.DataFrame(data, columns=[*columns, "shares_with"])
+        # Nullable integers: bytes stay exact integers, unknown sizes are <NA> (never NaN floats).
+        return frame.astype({"numel": "Int64", "memory": "Int64", "storage_bytes": "Int64"})
 
 
 def _memory_text(memory: int | None) -> str:
