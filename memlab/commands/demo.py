@@ -37,7 +37,7 @@ class DemoCommand:
         parser.add_argument(
             "--device",
             help="make this torch's default device while the example runs, and measure it: cpu or a "
-            "CUDA device (default: torch's default device)",
+            "CUDA device (default: the GPU if there is one, else torch's default device)",
         )
         parser.add_argument(
             "-c", "--column", metavar="COL", action="append", default=[], help="an extra column"
@@ -58,8 +58,6 @@ class DemoCommand:
             raise CommandError(f"the packaged example {EXAMPLE} is missing; reinstall memlab")
         device = _device(args.device)
         program = MainProgram(EXAMPLE, [] if args.epochs is None else ["--epochs", str(args.epochs)])
-        if args.device is None:
-            return profile_program(program, [EXAMPLE_FUNCTION], columns, None, args.output)
         previous = torch.get_default_device()
         torch.set_default_device(device)
         try:
@@ -74,7 +72,7 @@ def _device(text: str | None) -> torch.device:
     from memlab.sources.cuda import cuda_device_exists
 
     if text is None:
-        return torch.get_default_device()
+        return torch.device("cuda") if torch.cuda.is_available() else torch.get_default_device()
     try:
         device = torch.device(int(text) if text.isdigit() else text)
     except RuntimeError:

@@ -2,7 +2,7 @@
 
 Run ``python -m memlab.examples.train --epochs 1`` (or ``python memlab/examples/train.py``): the
 ``@memlab.profile`` table of ``train_step`` is printed when the script exits. Everything runs on
-torch's default device. On a CUDA device the numbers are the GPU's own; elsewhere a
+the GPU when there is one, otherwise on torch's default device. On a GPU the numbers are its own; elsewhere a
 :class:`memlab.TensorTracker` counts every tensor from the start (so the model's weights are in
 the numbers, as on a GPU) and reports what the CUDA caching allocator would show.
 """
@@ -66,8 +66,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs must be at least 1, got {args.epochs}")
-    on_gpu = torch.get_default_device().type == "cuda"
-    with contextlib.nullcontext() if on_gpu else memlab.TensorTracker():
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.get_default_device()
+    on_gpu = device.type == "cuda"
+    with contextlib.nullcontext() if on_gpu else memlab.TensorTracker(), torch.device(device):
         for epoch, loss in enumerate(train(args.epochs), 1):
             print(f"epoch {epoch}: loss {loss:.4f}")
 
