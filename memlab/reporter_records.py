@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memlab.reporter_snapshot import TensorRecord
+from memlab.sources.allocator_config import round_size
 
 __all__ = ["RecordBuilder", "cuda_block_bytes"]
 
-_CUDA_MIN_BLOCK = 512
 _SPARSE_PARTS = {
     torch.sparse_coo: ("_indices", "_values"),
     torch.sparse_csr: ("crow_indices", "col_indices", "values"),
@@ -33,7 +33,7 @@ def cuda_block_bytes(nbytes: int) -> int:
     Requests round up to a multiple of 512 B (so 1..512 B take 512 B); an empty storage takes
     nothing. Whole-block hand-outs and ``roundup_power2_divisions`` are not modelled here.
     """
-    return -(-nbytes // _CUDA_MIN_BLOCK) * _CUDA_MIN_BLOCK
+    return round_size(nbytes) if nbytes else 0
 
 
 def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
