@@ -6,6 +6,7 @@ from typing import Any
 
 from memlab.sources.allocator_blocks import ONE_EXABYTE, AllocatorBase, check_nbytes, huge_request
 from memlab.sources.allocator_config import K_SMALL_SIZE
+from memlab.sources.stats import increase_each
 
 __all__ = ["ExactAllocator"]
 
@@ -46,14 +47,7 @@ class ExactAllocator(AllocatorBase):
             raise self._oom(nbytes)
         small = nbytes <= K_SMALL_SIZE
         amounts = (1, 1, nbytes, nbytes, nbytes, nbytes, 1, 1, nbytes, nbytes)
-        for stat, amount in zip(self._pools[small], amounts, strict=True):
-            current = stat[0] + amount
-            stat[0] = current
-            stat[2] += amount
-            if current > stat[1]:
-                stat[1] = current
-            if current > stat[4]:
-                stat[4] = current
+        increase_each(zip(self._pools[small], amounts, strict=True))
         self.table.counters["num_device_alloc"] += 1
         handle = self._next_handle
         self._next_handle = handle + 1
