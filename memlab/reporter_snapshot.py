@@ -189,6 +189,8 @@ class MemorySnapshot:
             out += lines if one_device else [line for line, d in zip(lines, devices, strict=True) if d == dev]
             owners = records if one_device and not verbose else self.select(dev, verbose=False)
             out += [rule, *_device_footer(self, dev, owners), rule]
+        if len(out) == 1:
+            out += [rule, "No tensors" + ("" if device is None else f" on {device}"), rule]
         return "\n".join(out)
 
     def to_dataframe(self, verbose: bool = False, device: str | None = None) -> pd.DataFrame:

@@ -460,6 +460,13 @@ def test_device_filter_reports_only_that_device():
     del on_meta, on_cpu
 
 
+def test_a_device_without_tensors_says_so():
+    model = torch.nn.Linear(2, 2)
+    text = report_text(MemReporter(model), device="meta")
+    rule = "-" * 79
+    assert text == f"Element type{'Size':>48}  Used MEM\n{rule}\nNo tensors on meta\n{rule}\n"
+
+
 def test_verbose_view_of_a_tied_weight_names_the_joined_owner():
     model = TiedLM()
     row = model.head.weight[0]
