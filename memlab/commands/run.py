@@ -161,9 +161,6 @@ def profile_program(
     except (TypeError, ValueError) as error:
         raise CommandError(f"-g {target}: {error}") from None
     profiler.add_columns(columns)
-    if not profiler.enabled and not set(columns) <= {"hits", "delta", *profiler.columns}:
-        with profiler:  # new columns take effect when a session starts; start one before the run
-            pass
     decorated = set(profiler.at_exit)
     watch = FunctionWatch(functions, program, profiler)
     if watch.errors:

@@ -152,11 +152,13 @@ class LineProfiler(ByCountProfilerMixin):
         return self._records.layout.keys
 
     def add_columns(self, columns: str | Iterable[str]) -> None:
-        """Record ``columns`` too, from the next time the profiler is enabled (rows recorded
-        before read 0 for them)."""
+        """Record ``columns`` too: at once while the profiler is disabled, otherwise from the next
+        time it is enabled (rows recorded before read 0 for them)."""
         new = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
         with self._lock:
             self._wanted = ColumnLayout((*self._wanted.keys, *new))
+            if not self.enabled:
+                self._records.relayout(self._wanted)
 
     def add_function(self, func: Any) -> None:
         """Register ``func`` for tracing: a function, method, property, ``functools.partial``,

@@ -37,6 +37,14 @@ def test_a_valid_but_unrecorded_column_says_how_to_record_it():
         lp.to_dataframe(columns=("segment.all.current",))
 
 
+def test_columns_added_while_disabled_are_recorded_at_once():
+    lp = memlab.LineProfiler(work)
+    lp.add_columns(["segment.all.current"])
+    frame = lp.to_dataframe(columns=("segment.all.current",))
+    assert list(frame.columns) == ["segment.all.current", "code"]
+    assert frame["segment.all.current"].isna().all()  # work() never ran: its lines are blank
+
+
 def test_a_bad_column_name_in_the_decorators_raises_at_decoration():
     with pytest.raises(ValueError, match="unknown column 'peak'"):
         memlab.profile(columns=("peak",))
