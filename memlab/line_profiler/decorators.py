@@ -136,7 +136,7 @@ def profile_every(
             first = calls - output_interval + 1
             for table in stats.tables:
                 table.name += f" (calls {first}-{calls})" if first != calls else f" (call {calls})"
-            sys.stdout.write(repr(stats))
+            sys.stdout.write(repr(stats) + "\n")  # a blank line between consecutive reports
             profiler.clear(func)
 
         if inspect.isgeneratorfunction(func):

@@ -89,6 +89,8 @@ def test_profile_every_prints_the_stats_of_each_group_of_calls(global_profiler, 
     out = capsys.readouterr().out
     tables = out.split("## ")[1:]
     assert len(tables) == 2
+    assert tables[0].endswith("\n\n") and tables[1].endswith("\n\n")  # a blank line after each
+    tables = [table.rstrip("\n") for table in tables]
     name = "test_profile_every_prints_the_stats_of_each_group_of_calls.<locals>.make"
     assert tables[0].startswith(f"{name} (calls 1-2)\n")
     assert tables[1].startswith(f"{name} (calls 3-4)\n")
@@ -242,7 +244,8 @@ def test_profile_every_on_a_generator_reports_when_the_generator_is_exhausted(gl
     assert [c.numel() for c in chunks(2)] == [1024, 1024]
     out = capsys.readouterr().out
     assert out.count("## ") == 1 and "(call 1)" in out
-    assert out.splitlines()[-1].split()[:2] == ["2", "2.00K"]
+    assert out.endswith("\n\n")
+    assert out.splitlines()[-2].split()[:2] == ["2", "2.00K"]
 
 
 def test_the_decorator_on_a_class_profiles_its_methods(global_profiler, exact, capsys):
