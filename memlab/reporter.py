@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 import torch
 
 from memlab.reporter_diff import SnapshotDiff
-from memlab.reporter_records import RecordBuilder
+from memlab.reporter_records import build_records
 from memlab.reporter_snapshot import MemorySnapshot, TensorRecord, paused_gc
 
 if TYPE_CHECKING:
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["AllocatedMemorySource", "MemReporter", "reachable_tensors"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
+_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+# The entry of a tensor not numbered yet: its "weak reference" is a C callable returning None.
+_UNSEEN = (type(None), -1, "")
 _ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
 
 
@@ -139,25 +141,28 @@ class MemReporter:
         found = reachable_tensors()
         grads = _gradients([entry[0] for entry in named.values()] + found)
         skip = named.keys() | {id(grad) for grad in grads.values()}
-        numbered = self._number_anonymous(found, skip)
+        names, anonymous = self._number_anonymous(found, skip)
         del found, skip
-        ordered = []
-        for tensor, name, category in named.values():
-            ordered.append((tensor, name, category))
-            if id(tensor) in grads:
-                ordered.append((grads[id(tensor)], f"{name}.grad", "gradient"))
-        anonymous: Iterable[tuple[torch.Tensor, str, str | None]] = ()
-        if numbered:
-            # Columns in C; plain tensors are "other", parameters "parameter", subclasses decided later.
-            names, tensors = list(map(_SECOND, numbered)), list(map(_THIRD, numbered))
-            categories = map(_ANONYMOUS_CATEGORY.get, map(type, tensors))
-            anonymous = zip(tensors, names, categories, strict=True)
-            if not grads.keys().isdisjoint(map(id, tensors)):
-                anonymous = _with_gradients(anonymous, grads)
-        del named, numbered
-        builder = RecordBuilder(dtypes)
-        builder.add_plain(itertools.chain(ordered, anonymous))
-        return builder.records
+        # Report order: named tensors each followed by its gradient, then the others by number.
+        head = list(_with_gradients(named.values(), grads))
+        del named
+        tensors = [row[0] for row in head]
+        labels = [row[1] for row in head]
+        categories: list[str | None] = [row[2] for row in head]
+        # Plain tensors are "other", parameters "parameter", subclasses decided by the record builder.
+        anonymous_categories = list(map(_ANONYMOUS_CATEGORY.get, map(type, anonymous)))
+        if grads.keys().isdisjoint(map(id, anonymous)):
+            tensors += anonymous
+            labels += names
+            categories += anonymous_categories
+        else:
+            rows = _with_gradients(zip(anonymous, names, anonymous_categories, strict=True), grads)
+            for tensor, name, category in rows:
+                tensors.append(tensor)
+                labels.append(name)
+                categories.append(category)
+        del anonymous
+        return build_records(tensors, labels, categories, dtypes)
 
     def _name_model_tensors(self, named: dict[int, tuple[torch.Tensor, str, str]]) -> None:
         model = None if self._model is None else self._model()
@@ -192,28 +197,28 @@ class MemReporter:
 
     def _number_anonymous(
         self, tensors: list[torch.Tensor], skip: Set[int]
-    ) -> list[tuple[int, str, torch.Tensor]]:
-        """``(number, name, tensor)`` by number for ``tensors`` whose ``id`` is not in ``skip``.
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        """Names and tensors, by number, of ``tensors`` whose ``id`` is not in ``skip``.
 
         A tensor keeps its ``TensorN`` for as long as it lives (checked through a weak reference).
+        Each step is one C-level pass over all tensors; only tensors new since the last call (or
+        whose ``id`` was reused by a new tensor) get a number in Python.
         """
-        previous, current = self._anonymous, {}
-        numbered = []
-        get, append, object_id = previous.get, numbered.append, id
-        for tensor in tensors:
-            key = object_id(tensor)
-            if key in skip:
-                continue
-            entry = get(key)
-            if entry is None or entry[0]() is not tensor:
-                number = self._next_number
-                entry = (weakref.ref(tensor), number, f"{type(tensor).__name__}{number}")
-                self._next_number += 1
-            current[key] = entry
-            append((entry[1], entry[2], tensor))
-        self._anonymous = current
-        numbered.sort()  # numbers are unique: tensors are never compared
-        return numbered
+        keys = list(map(id, tensors))
+        if not skip.isdisjoint(keys):
+            keep = list(map(operator.not_, map(skip.__contains__, keys)))
+            keys, tensors = list(itertools.compress(keys, keep)), list(itertools.compress(tensors, keep))
+        entries = list(map(self._anonymous.get, keys, itertools.repeat(_UNSEEN)))
+        # Whether each entry's weak reference still points at this very tensor.
+        same = map(operator.is_, map(operator.call, map(_FIRST, entries)), tensors)
+        for index in itertools.compress(range(len(tensors)), map(operator.not_, same)):
+            tensor, number = tensors[index], self._next_number
+            entries[index] = (weakref.ref(tensor), number, f"{type(tensor).__name__}{number}")
+            self._next_number += 1
+        self._anonymous = dict(zip(keys, entries, strict=True))
+        numbers = list(map(_SECOND, entries))
+        order = sorted(range(len(numbers)), key=numbers.__getitem__)
+        return list(map(_THIRD, map(entries.__getitem__, order))), list(map(tensors.__getitem__, order))
 
 
 def _with_gradients(

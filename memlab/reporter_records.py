@@ -7,6 +7,8 @@ Sparse tensors count through their indices and values, wrapper subclasses throug
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -15,7 +17,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from memlab.reporter_snapshot import TensorRecord
 from memlab.sources.allocator_config import round_size
 
-__all__ = ["RecordBuilder", "cuda_block_bytes"]
+__all__ = ["RecordBuilder", "build_records", "cuda_block_bytes"]
 
 _SPARSE_PARTS = {
     torch.sparse_coo: ("_indices", "_values"),
@@ -25,6 +27,11 @@ _SPARSE_PARTS = {
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Unbound C methods and getters, so that a map() over every tensor runs without a Python frame.
+_UNTYPED_STORAGE, _NBYTES = torch.Tensor.untyped_storage, torch.UntypedStorage.nbytes
+_FIELDS = operator.attrgetter("shape", "is_cpu", "dtype")
+_FIRST, _SECOND, _THIRD = (operator.itemgetter(index) for index in range(3))
+_CHUNK = 256  # tensors read at a time: see _read_dense
 
 
 def cuda_block_bytes(nbytes: int) -> int:
@@ -51,6 +58,93 @@ def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]
         return
     for accessor in accessors:
         yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
+
+
+def build_records(
+    tensors: list[torch.Tensor], names: list[str], categories: list[str | None], dtypes: bool
+) -> list[TensorRecord]:
+    """The records :meth:`RecordBuilder.add_plain` makes of ``zip(tensors, names, categories)``.
+
+    When every tensor is a dense ``torch.Tensor`` or ``nn.Parameter`` (the common case), they are
+    computed column by column, each column one C-level pass over all tensors; otherwise the builder
+    takes them one by one.
+    """
+    if not set(map(type, tensors)) <= set(_PLAIN_TYPES):
+        return _built_one_by_one(tensors, names, categories, dtypes)
+    try:
+        storages, storage_bytes, fields = _read_dense(tensors)
+    except RuntimeError:  # sparse layouts, nested tensors: the builder knows them
+        return _built_one_by_one(tensors, names, categories, dtypes)
+    count = len(tensors)
+    keys = list(map(id, storages))  # unique while ``storages`` holds them
+    # The first tensor seen on a storage owns it. Filled backwards, each key keeps its first index.
+    first_index = dict(zip(reversed(keys), range(count - 1, -1, -1), strict=True))
+    owner_index = list(map(first_index.__getitem__, keys))
+    memory = storage_bytes.copy()  # a sharer's storage is its owner's: same bytes
+    shares_with: list[str | None] = [None] * count
+    for index in itertools.compress(range(count), map(operator.ne, owner_index, range(count))):
+        memory[index] = 0
+        shares_with[index] = names[owner_index[index]]
+    devices: Iterable[str] = itertools.repeat("cpu", count)
+    is_cpu = list(map(_SECOND, fields))
+    if not all(is_cpu):
+        devices = _devices(storages, is_cpu, memory)
+    dtype_texts: Iterable[str] = itertools.repeat("", count)
+    if dtypes:
+        dtype_objects = list(map(_THIRD, fields))
+        texts = {dtype: str(dtype).removeprefix("torch.") for dtype in set(dtype_objects)}
+        dtype_texts = map(texts.__getitem__, dtype_objects)
+    shapes = map(_FIRST, fields)
+    columns = zip(
+        names, categories, devices, shapes, dtype_texts, storage_bytes, memory, shares_with, strict=False
+    )  # ``devices`` and ``dtype_texts`` may be endless repeats
+    return list(map(tuple.__new__, itertools.repeat(TensorRecord), columns))  # NamedTuple._make in C
+
+
+def _read_dense(
+    tensors: list[torch.Tensor],
+) -> tuple[list[torch.UntypedStorage], list[int], list[tuple[torch.Size, bool, torch.dtype]]]:
+    """Each tensor's storage, the storage's bytes, and the tensor's ``(shape, is_cpu, dtype)``.
+
+    Raises ``RuntimeError`` for tensors without a single storage or shape (sparse, nested).
+    """
+    storages: list[torch.UntypedStorage] = []
+    storage_bytes: list[int] = []
+    fields: list[tuple[torch.Size, bool, torch.dtype]] = []
+    # Reading a tensor costs mostly the cache misses on its objects (the Python object, the C++
+    # TensorImpl and StorageImpl). Several passes over one chunk, while it is still in the CPU
+    # cache, are about twice as fast as one pass per column over 100,000 tensors; and one getter
+    # of three attributes costs about as much as a getter of one.
+    for start in range(0, len(tensors), _CHUNK):
+        chunk = tensors[start : start + _CHUNK]
+        chunk_storages = list(map(_UNTYPED_STORAGE, chunk))
+        storages += chunk_storages
+        storage_bytes += map(_NBYTES, chunk_storages)
+        fields += map(_FIELDS, chunk)
+    return storages, storage_bytes, fields
+
+
+def _devices(storages: list[torch.UntypedStorage], is_cpu: list[bool], memory: list[int]) -> list[str]:
+    """Device strings of ``storages`` (not all on the CPU); CUDA rows of ``memory`` rounded to blocks."""
+    devices = ["cpu"] * len(storages)
+    texts: dict[torch.device, tuple[str, bool]] = {}
+    for index in itertools.compress(range(len(storages)), map(operator.not_, is_cpu)):
+        device = storages[index].device
+        text = texts.get(device)
+        if text is None:
+            text = texts[device] = (str(device), device.type == "cuda")
+        devices[index] = text[0]
+        if text[1]:
+            memory[index] = cuda_block_bytes(memory[index])
+    return devices
+
+
+def _built_one_by_one(
+    tensors: list[torch.Tensor], names: list[str], categories: list[str | None], dtypes: bool
+) -> list[TensorRecord]:
+    builder = RecordBuilder(dtypes)
+    builder.add_plain(zip(tensors, names, categories, strict=True))
+    return builder.records
 
 
 class RecordBuilder:
