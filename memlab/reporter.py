@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 import torch
 
 from memlab.reporter_diff import SnapshotDiff
-from memlab.reporter_records import build_records
+from memlab.reporter_records import DenseTensors, build_records
 from memlab.reporter_snapshot import MemorySnapshot, TensorRecord, paused_gc
 
 if TYPE_CHECKING:
@@ -139,10 +139,13 @@ class MemReporter:
         self._name_model_tensors(named)
         self._name_optimizer_state(named)
         found = reachable_tensors()
-        grads = _gradients([entry[0] for entry in named.values()] + found)
+        dense = DenseTensors.read(found)  # None when some tensor needs the record builder's care
+        candidates = found if dense is None else list(itertools.compress(found, dense.requires_grad))
+        grads = _gradients([entry[0] for entry in named.values()] + candidates)
         skip = named.keys() | {id(grad) for grad in grads.values()}
-        names, anonymous = self._number_anonymous(found, skip)
-        del found, skip
+        names, positions = self._number_anonymous(found, skip)
+        anonymous = list(map(found.__getitem__, positions))
+        del found, skip, candidates
         # Report order: named tensors each followed by its gradient, then the others by number.
         head = list(_with_gradients(named.values(), grads))
         del named
@@ -152,17 +155,21 @@ class MemReporter:
         # Plain tensors are "other", parameters "parameter", subclasses decided by the record builder.
         anonymous_categories = list(map(_ANONYMOUS_CATEGORY.get, map(type, anonymous)))
         if grads.keys().isdisjoint(map(id, anonymous)):
+            if dense is not None:  # read the few named tensors; the others were read already
+                head_dense = DenseTensors.read(tensors)
+                dense = None if head_dense is None else head_dense + dense.take(positions)
             tensors += anonymous
             labels += names
             categories += anonymous_categories
         else:
+            dense = None
             rows = _with_gradients(zip(anonymous, names, anonymous_categories, strict=True), grads)
             for tensor, name, category in rows:
                 tensors.append(tensor)
                 labels.append(name)
                 categories.append(category)
         del anonymous
-        return build_records(tensors, labels, categories, dtypes)
+        return build_records(tensors, labels, categories, dtypes, dense)
 
     def _name_model_tensors(self, named: dict[int, tuple[torch.Tensor, str, str]]) -> None:
         model = None if self._model is None else self._model()
@@ -195,19 +202,19 @@ class MemReporter:
                     if isinstance(value, torch.Tensor) and id(value) not in named:
                         named[id(value)] = (value, f"{label}.{param_name}.{key}", "optimizer state")
 
-    def _number_anonymous(
-        self, tensors: list[torch.Tensor], skip: Set[int]
-    ) -> tuple[list[str], list[torch.Tensor]]:
-        """Names and tensors, by number, of ``tensors`` whose ``id`` is not in ``skip``.
+    def _number_anonymous(self, tensors: list[torch.Tensor], skip: Set[int]) -> tuple[list[str], list[int]]:
+        """Names and positions in ``tensors``, by number, of the tensors whose ``id`` is not in ``skip``.
 
         A tensor keeps its ``TensorN`` for as long as it lives (checked through a weak reference).
         Each step is one C-level pass over all tensors; only tensors new since the last call (or
         whose ``id`` was reused by a new tensor) get a number in Python.
         """
         keys = list(map(id, tensors))
+        positions = range(len(tensors))
         if not skip.isdisjoint(keys):
             keep = list(map(operator.not_, map(skip.__contains__, keys)))
             keys, tensors = list(itertools.compress(keys, keep)), list(itertools.compress(tensors, keep))
+            positions = list(itertools.compress(positions, keep))
         entries = list(map(self._anonymous.get, keys, itertools.repeat(_UNSEEN)))
         # Whether each entry's weak reference still points at this very tensor.
         same = map(operator.is_, map(operator.call, map(_FIRST, entries)), tensors)
@@ -218,7 +225,7 @@ class MemReporter:
         self._anonymous = dict(zip(keys, entries, strict=True))
         numbers = list(map(_SECOND, entries))
         order = sorted(range(len(numbers)), key=numbers.__getitem__)
-        return list(map(_THIRD, map(entries.__getitem__, order))), list(map(tensors.__getitem__, order))
+        return list(map(_THIRD, map(entries.__getitem__, order))), list(map(positions.__getitem__, order))
 
 
 def _with_gradients(
