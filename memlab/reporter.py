@@ -218,11 +218,16 @@ class MemReporter:
         entries = list(map(self._anonymous.get, keys, itertools.repeat(_UNSEEN)))
         # Whether each entry's weak reference still points at this very tensor.
         same = map(operator.is_, map(operator.call, map(_FIRST, entries)), tensors)
+        renumbered = False
         for index in itertools.compress(range(len(tensors)), map(operator.not_, same)):
             tensor, number = tensors[index], self._next_number
             entries[index] = (weakref.ref(tensor), number, f"{type(tensor).__name__}{number}")
             self._next_number += 1
-        self._anonymous = dict(zip(keys, entries, strict=True))
+            renumbered = True
+        # Keep only this call's entries. When every tensor kept its entry and there are as many
+        # (distinct) tensors as entries, those are exactly the entries already there.
+        if renumbered or len(keys) != len(self._anonymous):
+            self._anonymous = dict(zip(keys, entries, strict=True))
         numbers = list(map(_SECOND, entries))
         order = sorted(range(len(numbers)), key=numbers.__getitem__)
         return list(map(_THIRD, map(entries.__getitem__, order))), list(map(positions.__getitem__, order))
@@ -244,12 +249,22 @@ def reachable_tensors() -> list[torch.Tensor]:
     Tensors whose Python object was never created (a ``.grad`` made by autograd and not yet read,
     the base of a view, autograd's saved tensors) are not among them.
     """
+    tensor_types = _tensor_classes()  # every live object's class is a live class: all of them
     objects = gc.get_objects()
-    kinds = list(map(type, objects))
-    tensor_types = {kind for kind in set(kinds) if issubclass(kind, torch.Tensor)}
-    found = list(itertools.compress(objects, map(tensor_types.__contains__, kinds)))  # all in C
+    found = list(itertools.compress(objects, map(tensor_types.__contains__, map(type, objects))))  # in C
     del objects
     return found
+
+
+def _tensor_classes() -> set[type]:
+    """``torch.Tensor`` and every class defined so far that derives from it."""
+    classes, unvisited = {torch.Tensor}, [torch.Tensor]
+    while unvisited:
+        for subclass in type.__subclasses__(unvisited.pop()):
+            if subclass not in classes:
+                classes.add(subclass)
+                unvisited.append(subclass)
+    return classes
 
 
 def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:

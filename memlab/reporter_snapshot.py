@@ -167,26 +167,23 @@ class MemorySnapshot:
         width = max(NAME_WIDTH, max(map(len, labels), default=0) + 2)
         size_width = max(SIZE_WIDTH, max(map(len, size_texts.values()), default=0) + 2)
         template = f"%-{width}s%{size_width}s%{_MEM_WIDTH}s"
-        lines = list(
-            map(
-                template.__mod__,
-                zip(
-                    labels,
-                    map(size_texts.__getitem__, shapes),
-                    map(memory_texts.__getitem__, memories),
-                    strict=True,
-                ),
-            )
-        )
+        # A row is its padded label then its size and bytes, each distinct one padded once.
+        size_cells = {shape: text.rjust(size_width) for shape, text in size_texts.items()}
+        memory_cells = {memory: text.rjust(_MEM_WIDTH) for memory, text in memory_texts.items()}
+        size_column = map(size_cells.__getitem__, shapes)
+        cells = map(operator.add, size_column, map(memory_cells.__getitem__, memories))
+        lines = list(map(operator.add, map(str.ljust, labels, itertools.repeat(width)), cells))
         rule = "-" * max(len(RULE), width + size_width + _MEM_WIDTH)
         out = [template % ("Element type", "Size", "Used MEM")]
-        devices = list(map(_DEVICE, records))
-        one_device = len(set(devices)) == 1
-        for dev in self.devices:
-            if not device_matches(dev, device):
-                continue
+        # Every device with a record also has a row owning a storage, so ``records`` spans them all.
+        shown = [dev for dev in self.devices if device_matches(dev, device)]
+        one_device = len(shown) == 1
+        for dev in shown:
             out += [rule, f"Storage on {dev}"]
-            out += lines if one_device else [line for line, d in zip(lines, devices, strict=True) if d == dev]
+            if one_device:
+                out += lines
+            else:
+                out += [line for line, d in zip(lines, map(_DEVICE, records), strict=True) if d == dev]
             owners = records if one_device and not verbose else self.select(dev, verbose=False)
             out += [rule, *_device_footer(self, dev, owners), rule]
         if len(out) == 1:
