@@ -11,7 +11,7 @@ import gc
 import itertools
 import operator
 import weakref
-from collections.abc import Iterable, Iterator, Set
+from collections.abc import Iterable, Iterator, Sequence, Set
 from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
@@ -229,7 +229,9 @@ class MemReporter:
         if renumbered or len(keys) != len(self._anonymous):
             self._anonymous = dict(zip(keys, entries, strict=True))
         numbers = list(map(_SECOND, entries))
-        order = sorted(range(len(numbers)), key=numbers.__getitem__)
+        order: Sequence[int] = range(len(numbers))
+        if not all(map(operator.lt, numbers, itertools.islice(numbers, 1, None))):
+            order = sorted(order, key=numbers.__getitem__)  # gc usually lists tensors oldest first
         return list(map(_THIRD, map(entries.__getitem__, order))), list(map(positions.__getitem__, order))
 
 
