@@ -148,13 +148,14 @@ class MemReporter:
         del found, skip, candidates
         # Report order: named tensors each followed by its gradient, then the others by number.
         head = list(_with_gradients(named.values(), grads))
+        anonymous_owners = grads.keys() - named.keys()  # of a gradient; usually none (parameters are named)
         del named
         tensors = [row[0] for row in head]
         labels = [row[1] for row in head]
         categories: list[str | None] = [row[2] for row in head]
         # Plain tensors are "other", parameters "parameter", subclasses decided by the record builder.
         anonymous_categories = list(map(_ANONYMOUS_CATEGORY.get, map(type, anonymous)))
-        if grads.keys().isdisjoint(map(id, anonymous)):
+        if not anonymous_owners or anonymous_owners.isdisjoint(map(id, anonymous)):
             if dense is not None:  # read the few named tensors; the others were read already
                 head_dense = DenseTensors.read(tensors)
                 dense = None if head_dense is None else head_dense + dense.take(positions)
@@ -202,7 +203,9 @@ class MemReporter:
                     if isinstance(value, torch.Tensor) and id(value) not in named:
                         named[id(value)] = (value, f"{label}.{param_name}.{key}", "optimizer state")
 
-    def _number_anonymous(self, tensors: list[torch.Tensor], skip: Set[int]) -> tuple[list[str], list[int]]:
+    def _number_anonymous(
+        self, tensors: list[torch.Tensor], skip: Set[int]
+    ) -> tuple[list[str], Sequence[int]]:
         """Names and positions in ``tensors``, by number, of the tensors whose ``id`` is not in ``skip``.
 
         A tensor keeps its ``TensorN`` for as long as it lives (checked through a weak reference).
@@ -210,7 +213,7 @@ class MemReporter:
         whose ``id`` was reused by a new tensor) get a number in Python.
         """
         keys = list(map(id, tensors))
-        positions = range(len(tensors))
+        positions: Sequence[int] = range(len(tensors))
         if not skip.isdisjoint(keys):
             keep = list(map(operator.not_, map(skip.__contains__, keys)))
             keys, tensors = list(itertools.compress(keys, keep)), list(itertools.compress(tensors, keep))
@@ -229,9 +232,9 @@ class MemReporter:
         if renumbered or len(keys) != len(self._anonymous):
             self._anonymous = dict(zip(keys, entries, strict=True))
         numbers = list(map(_SECOND, entries))
-        order: Sequence[int] = range(len(numbers))
-        if not all(map(operator.lt, numbers, itertools.islice(numbers, 1, None))):
-            order = sorted(order, key=numbers.__getitem__)  # gc usually lists tensors oldest first
+        if all(map(operator.lt, numbers, itertools.islice(numbers, 1, None))):
+            return list(map(_THIRD, entries)), positions  # the usual case: gc lists older tensors first
+        order = sorted(range(len(numbers)), key=numbers.__getitem__)
         return list(map(_THIRD, map(entries.__getitem__, order))), list(map(positions.__getitem__, order))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -98,7 +98,7 @@ class DenseTensors(NamedTuple):
     def requires_grad(self) -> Iterator[bool]:
         return map(_FOURTH, self.fields)
 
-    def take(self, indices: list[int]) -> DenseTensors:
+    def take(self, indices: Sequence[int]) -> DenseTensors:
         """The entries at ``indices``, in that order."""
         return DenseTensors(*(list(map(column.__getitem__, indices)) for column in self))
 
