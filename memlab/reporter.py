@@ -27,6 +27,7 @@ __all__ = ["AllocatedMemorySource", "MemReporter", "reachable_tensors"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_DEVICE = operator.attrgetter("device")
 # The entry of a tensor not numbered yet: its "weak reference" is a C callable returning None.
 _UNSEEN = (type(None), -1, "")
 _ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
@@ -316,7 +317,7 @@ def _allocated(
         source = active_tracker()
     label = "the memory source" if source is None else type(source).__name__
     allocated = {}
-    for device in {record.device for record in records}:
+    for device in set(map(_DEVICE, records)):
         if device.startswith("cuda") and not explicit:
             if torch.cuda.is_available():  # a CUDA tensor exists, so CUDA is already initialised
                 allocated[device] = (torch.cuda.memory_allocated(device), "torch.cuda")
