@@ -159,7 +159,7 @@ class MemReporter:
         if not anonymous_owners or anonymous_owners.isdisjoint(map(id, anonymous)):
             if dense is not None:  # read the few named tensors; the others were read already
                 head_dense = DenseTensors.read(tensors)
-                dense = None if head_dense is None else head_dense + dense.take(positions)
+                dense = None if head_dense is None else head_dense.followed_by(dense.take(positions))
             tensors += anonymous
             labels += names
             categories += anonymous_categories

@@ -102,9 +102,8 @@ class DenseTensors(NamedTuple):
         """The entries at ``indices``, in that order."""
         return DenseTensors(*(list(map(column.__getitem__, indices)) for column in self))
 
-    def __add__(self, other: object) -> DenseTensors:
-        if not isinstance(other, DenseTensors):
-            return NotImplemented
+    def followed_by(self, other: DenseTensors) -> DenseTensors:
+        """These entries, then ``other``'s."""
         return DenseTensors(*(mine + theirs for mine, theirs in zip(self, other, strict=True)))
 
 
