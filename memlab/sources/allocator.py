@@ -43,7 +43,7 @@ from memlab.sources.allocator_config import (
 )
 from memlab.sources.allocator_exact import ExactAllocator
 from memlab.sources.allocator_expandable import ExpandableSegments
-from memlab.sources.stats import decrease, decrease_each, increase, increase_each
+from memlab.sources.stats import decrease, increase, increase_each
 
 __all__ = ["CachingAllocatorModel", "ExactAllocator", "format_cuda_size", "oom_message"]
 
@@ -151,13 +151,23 @@ class CachingAllocatorModel(AllocatorBase):
                 pool.blocks.insert(i, rest)
                 n0, n1, sb0, sb1 = pool.split
                 if already_split:  # an inactive split block shrinks by the allocated part
-                    decrease_each(((sb0, size), (sb1, size)))
+                    sb0[0] -= size
+                    sb0[3] += size
+                    sb1[0] -= size
+                    sb1[3] += size
                 else:  # a whole segment becomes split: its remainder is a new inactive split block
                     increase_each(((n0, 1), (n1, 1), (sb0, remaining), (sb1, remaining)))
             elif already_split:  # an inactive split block becomes active as a whole
                 n0, n1, sb0, sb1 = pool.split
                 bsize = block.size
-                decrease_each(((n0, 1), (n1, 1), (sb0, bsize), (sb1, bsize)))
+                n0[0] -= 1
+                n0[3] += 1
+                n1[0] -= 1
+                n1[3] += 1
+                sb0[0] -= bsize
+                sb0[3] += bsize
+                sb1[0] -= bsize
+                sb1[3] += bsize
 
         block.allocated = True
         block.requested = nbytes
@@ -187,7 +197,18 @@ class CachingAllocatorModel(AllocatorBase):
         bsize = block.size
         requested = block.requested
         a0, a1, b0, b1, r0, r1 = pool.hot
-        decrease_each(((a0, 1), (a1, 1), (b0, bsize), (b1, bsize), (r0, requested), (r1, requested)))
+        a0[0] -= 1
+        a0[3] += 1
+        a1[0] -= 1
+        a1[3] += 1
+        b0[0] -= bsize
+        b0[3] += bsize
+        b1[0] -= bsize
+        b1[3] += bsize
+        r0[0] -= requested
+        r0[3] += requested
+        r1[0] -= requested
+        r1[3] += requested
         if bsize >= self._max_split:
             decrease(self._oversize_allocations, 1)
         block.allocated = False
@@ -228,7 +249,40 @@ class CachingAllocatorModel(AllocatorBase):
         if block.prev is not None or block.next is not None:
             merged_blocks -= 1
             net_bytes += block.size
-        if merged_blocks or net_bytes:
+        if net_bytes > 0:  # the common case: a block of a split segment became free
+            n0, n1, sb0, sb1 = pool.split
+            current = sb0[0] + net_bytes
+            sb0[0] = current
+            sb0[2] += net_bytes
+            if current > sb0[1]:
+                sb0[1] = current
+            if current > sb0[4]:
+                sb0[4] = current
+            current = sb1[0] + net_bytes
+            sb1[0] = current
+            sb1[2] += net_bytes
+            if current > sb1[1]:
+                sb1[1] = current
+            if current > sb1[4]:
+                sb1[4] = current
+            if merged_blocks == -1:  # no neighbour merged: one more inactive split block
+                current = n0[0] + 1
+                n0[0] = current
+                n0[2] += 1
+                if current > n0[1]:
+                    n0[1] = current
+                if current > n0[4]:
+                    n0[4] = current
+                current = n1[0] + 1
+                n1[0] = current
+                n1[2] += 1
+                if current > n1[1]:
+                    n1[1] = current
+                if current > n1[4]:
+                    n1[4] = current
+            elif merged_blocks:
+                change_split(pool.split, -merged_blocks, 0)
+        elif merged_blocks or net_bytes:
             change_split(pool.split, -merged_blocks, net_bytes)
 
     # -- segments -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from typing import Any
 
 from memlab.sources.allocator_blocks import ONE_EXABYTE, AllocatorBase, check_nbytes, huge_request
 from memlab.sources.allocator_config import K_SMALL_SIZE
-from memlab.sources.stats import decrease_each, increase_each
+from memlab.sources.stats import increase_each
 
 __all__ = ["ExactAllocator"]
 
@@ -63,7 +63,9 @@ class ExactAllocator(AllocatorBase):
                 return
             raise self._bad_handle(handle)
         amounts = (1, 1, nbytes, nbytes, nbytes, nbytes, 1, 1, nbytes, nbytes)
-        decrease_each(zip(self._pools[nbytes <= K_SMALL_SIZE], amounts, strict=True))
+        for stat, amount in zip(self._pools[nbytes <= K_SMALL_SIZE], amounts, strict=True):
+            stat[0] -= amount
+            stat[3] += amount
         self.table.counters["num_device_free"] += 1
 
     def empty_cache(self) -> None:

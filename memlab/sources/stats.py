@@ -22,7 +22,6 @@ __all__ = [
     "UNPOOLED_STATS",
     "StatTable",
     "decrease",
-    "decrease_each",
     "increase",
     "increase_each",
 ]
@@ -94,13 +93,6 @@ def decrease(stat: list[int], amount: int) -> None:
     """Subtract ``amount`` from a statistic's current value and add it to its ``freed`` total."""
     stat[CURRENT] -= amount
     stat[FREED] += amount
-
-
-def decrease_each(changes: Iterable[tuple[list[int], int]]) -> None:
-    """:func:`decrease` for each ``(stat, amount)`` pair, in one call (the allocator's hot path)."""
-    for stat, amount in changes:
-        stat[CURRENT] -= amount
-        stat[FREED] += amount
 
 
 class StatTable:
