@@ -43,7 +43,7 @@ from memlab.sources.allocator_config import (
 )
 from memlab.sources.allocator_exact import ExactAllocator
 from memlab.sources.allocator_expandable import ExpandableSegments
-from memlab.sources.stats import decrease, increase, increase_each
+from memlab.sources.stats import decrease, increase
 
 __all__ = ["CachingAllocatorModel", "ExactAllocator", "format_cuda_size", "oom_message"]
 
@@ -156,7 +156,14 @@ class CachingAllocatorModel(AllocatorBase):
                     sb1[0] -= size
                     sb1[3] += size
                 else:  # a whole segment becomes split: its remainder is a new inactive split block
-                    increase_each(((n0, 1), (n1, 1), (sb0, remaining), (sb1, remaining)))
+                    for stat, amount in ((n0, 1), (n1, 1), (sb0, remaining), (sb1, remaining)):
+                        current = stat[0] + amount
+                        stat[0] = current
+                        stat[2] += amount
+                        if current > stat[1]:
+                            stat[1] = current
+                        if current > stat[4]:
+                            stat[4] = current
             elif already_split:  # an inactive split block becomes active as a whole
                 n0, n1, sb0, sb1 = pool.split
                 bsize = block.size
@@ -173,7 +180,48 @@ class CachingAllocatorModel(AllocatorBase):
         block.requested = nbytes
         bsize = block.size
         a0, a1, b0, b1, r0, r1 = pool.hot
-        increase_each(((a0, 1), (a1, 1), (b0, bsize), (b1, bsize), (r0, nbytes), (r1, nbytes)))
+        current = a0[0] + 1
+        a0[0] = current
+        a0[2] += 1
+        if current > a0[1]:
+            a0[1] = current
+        if current > a0[4]:
+            a0[4] = current
+        current = a1[0] + 1
+        a1[0] = current
+        a1[2] += 1
+        if current > a1[1]:
+            a1[1] = current
+        if current > a1[4]:
+            a1[4] = current
+        current = b0[0] + bsize
+        b0[0] = current
+        b0[2] += bsize
+        if current > b0[1]:
+            b0[1] = current
+        if current > b0[4]:
+            b0[4] = current
+        current = b1[0] + bsize
+        b1[0] = current
+        b1[2] += bsize
+        if current > b1[1]:
+            b1[1] = current
+        if current > b1[4]:
+            b1[4] = current
+        current = r0[0] + nbytes
+        r0[0] = current
+        r0[2] += nbytes
+        if current > r0[1]:
+            r0[1] = current
+        if current > r0[4]:
+            r0[4] = current
+        current = r1[0] + nbytes
+        r1[0] = current
+        r1[2] += nbytes
+        if current > r1[1]:
+            r1[1] = current
+        if current > r1[4]:
+            r1[4] = current
         if bsize >= max_split:
             increase(self._oversize_allocations, 1)
         handle = self._next_handle

@@ -6,7 +6,6 @@ from typing import Any
 
 from memlab.sources.allocator_blocks import ONE_EXABYTE, AllocatorBase, check_nbytes, huge_request
 from memlab.sources.allocator_config import K_SMALL_SIZE
-from memlab.sources.stats import increase_each
 
 __all__ = ["ExactAllocator"]
 
@@ -47,7 +46,14 @@ class ExactAllocator(AllocatorBase):
             raise self._oom(nbytes)
         small = nbytes <= K_SMALL_SIZE
         amounts = (1, 1, nbytes, nbytes, nbytes, nbytes, 1, 1, nbytes, nbytes)
-        increase_each(zip(self._pools[small], amounts, strict=True))
+        for stat, amount in zip(self._pools[small], amounts, strict=True):
+            current = stat[0] + amount
+            stat[0] = current
+            stat[2] += amount
+            if current > stat[1]:
+                stat[1] = current
+            if current > stat[4]:
+                stat[4] = current
         self.table.counters["num_device_alloc"] += 1
         handle = self._next_handle
         self._next_handle = handle + 1

@@ -11,7 +11,7 @@ is what gives the line profiler per-line peaks without touching the user-visible
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 
 __all__ = [
     "COUNTERS",
@@ -23,7 +23,6 @@ __all__ = [
     "StatTable",
     "decrease",
     "increase",
-    "increase_each",
 ]
 
 POOLS = ("all", "small_pool", "large_pool")
@@ -75,18 +74,6 @@ def increase(stat: list[int], amount: int) -> None:
         stat[PEAK] = current
     if current > stat[WINDOW_PEAK]:
         stat[WINDOW_PEAK] = current
-
-
-def increase_each(changes: Iterable[tuple[list[int], int]]) -> None:
-    """:func:`increase` for each ``(stat, amount)`` pair, in one call (the allocator's hot path)."""
-    for stat, amount in changes:
-        current = stat[CURRENT] + amount
-        stat[CURRENT] = current
-        stat[ALLOCATED] += amount
-        if current > stat[PEAK]:
-            stat[PEAK] = current
-        if current > stat[WINDOW_PEAK]:
-            stat[WINDOW_PEAK] = current
 
 
 def decrease(stat: list[int], amount: int) -> None:
