@@ -152,21 +152,14 @@ class CachingAllocatorModel(AllocatorBase):
                 i = bisect_left(keys, key)
                 keys.insert(i, key)
                 pool.blocks.insert(i, rest)
-                n0, n1, sb0, sb1 = pool.split
                 if already_split:  # an inactive split block shrinks by the allocated part
+                    _, _, sb0, sb1 = pool.split
                     sb0[0] -= size
                     sb0[3] += size
                     sb1[0] -= size
                     sb1[3] += size
                 else:  # a whole segment becomes split: its remainder is a new inactive split block
-                    for stat, amount in ((n0, 1), (n1, 1), (sb0, remaining), (sb1, remaining)):
-                        current = stat[0] + amount
-                        stat[0] = current
-                        stat[2] += amount
-                        if current > stat[1]:
-                            stat[1] = current
-                        if current > stat[4]:
-                            stat[4] = current
+                    change_split(pool.split, 1, remaining)
             elif already_split:  # an inactive split block becomes active as a whole
                 n0, n1, sb0, sb1 = pool.split
                 bsize = block.size

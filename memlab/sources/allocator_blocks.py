@@ -217,16 +217,9 @@ def change_split(split: tuple[list[int], ...], blocks: int, nbytes: int) -> None
     """Apply free_block's net changes to ``inactive_split`` and ``inactive_split_bytes`` (all, pool)."""
     for stat, amount in ((split[0], blocks), (split[1], blocks), (split[2], nbytes), (split[3], nbytes)):
         if amount > 0:
-            current = stat[0] + amount
-            stat[0] = current
-            stat[2] += amount
-            if current > stat[1]:
-                stat[1] = current
-            if current > stat[4]:
-                stat[4] = current
+            increase(stat, amount)
         elif amount < 0:
-            stat[0] += amount
-            stat[3] -= amount
+            decrease(stat, -amount)
 
 
 def block_info(block: Block) -> dict[str, Any]:
