@@ -1,0 +1,153 @@
+"""The tensors ``gc`` can reach and the storages behind them, each storage once.
+
+One walker serves the reporter (naming tensors), ``Courtesy`` (moving them off a device) and the
+tensor tracker's adoption of tensors that existed before profiling. A tensor's storages are its own
+for dense tensors, those of its parts for sparse layouts (indices, values) and for traceable wrapper
+subclasses (``__tensor_flatten__``), and none for tensors that have no storage (fake or lazy ones).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = [
+    "SPARSE_PARTS",
+    "LiveStorage",
+    "live_storages",
+    "live_tensors",
+    "on_device",
+    "parts",
+    "reachable_tensors",
+    "storages_of",
+    "tensor_classes",
+]
+
+#: The accessors of a sparse layout's component tensors, in the order they are listed.
+SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def tensor_classes() -> set[type]:
+    """``torch.Tensor`` and every class defined so far that derives from it."""
+    classes, unvisited = {torch.Tensor}, [torch.Tensor]
+    while unvisited:
+        for subclass in type.__subclasses__(unvisited.pop()):
+            if subclass not in classes:
+                classes.add(subclass)
+                unvisited.append(subclass)
+    return classes
+
+
+def reachable_tensors() -> list[torch.Tensor]:
+    """Every tensor object ``gc`` tracks, any device, in ``gc`` order (weak proxies are skipped:
+    they are not tensors).
+
+    Tensors whose Python object was never created (a ``.grad`` made by autograd and not yet read,
+    the base of a view, autograd's saved tensors) are not among them: see :func:`live_tensors`.
+    """
+    classes = tensor_classes()  # every live object's class is a live class: all of them
+    objects = gc.get_objects()
+    found = list(itertools.compress(objects, map(classes.__contains__, map(type, objects))))  # in C
+    del objects
+    return found
+
+
+def live_tensors() -> list[torch.Tensor]:
+    """:func:`reachable_tensors`, plus the ``.grad`` of leaves and the ``._base`` of views (which
+    hold memory although their Python objects may not exist yet), each tensor object once.
+
+    Not visible: autograd's saved tensors, tensors held only by C++ (a graph kept alive by a loss
+    that Python still holds shows its parameters, not its activations)."""
+    found: dict[int, torch.Tensor] = {}
+    stack = reachable_tensors()
+    stack.reverse()  # popped in gc order
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in found:
+            continue
+        found[id(tensor)] = tensor
+        try:
+            if tensor.requires_grad and tensor.is_leaf and tensor.grad is not None:
+                stack.append(tensor.grad)
+            if tensor._is_view() and tensor._base is not None:
+                stack.append(tensor._base)
+        except Exception:  # subclasses that refuse (e.g. an uninitialized lazy parameter)
+            continue
+    return list(found.values())
+
+
+def parts(tensor: torch.Tensor, name: str = "") -> Iterator[tuple[torch.Tensor, str]]:
+    """The storage-holding tensors behind ``tensor`` with their names: ``(tensor, name)`` itself,
+    or a sparse / wrapper tensor's parts as ``name.values``, ``name.indices``, ``name.<attr>``."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, torch.Tensor):
+                yield from parts(inner, f"{name}.{attr}")
+        return
+    accessors = SPARSE_PARTS.get(tensor.layout)
+    if accessors is None:
+        yield tensor, name
+        return
+    for accessor in accessors:
+        yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
+
+
+def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``tensor``'s data (see :func:`parts`); empty for a tensor without
+    storage (fake tensors outside their mode, uninitialized lazy parameters, nested layouts)."""
+    if type(tensor) is torch.Tensor and tensor.layout is torch.strided:
+        return [tensor.untyped_storage()]
+    found = []
+    try:
+        for part, _ in parts(tensor):
+            found.append(part.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return []
+    return found
+
+
+class LiveStorage:
+    """A storage found by :func:`live_storages` with the tensors that hold it."""
+
+    __slots__ = ("storage", "tensors")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = storage
+        self.tensors: list[torch.Tensor] = []
+
+
+def live_storages(device: torch.device | None = None) -> dict[int, LiveStorage]:
+    """The storages behind :func:`live_tensors`, keyed by ``id`` of the storage object, each once,
+    in the order ``gc`` lists their first tensor; ``device`` keeps only storages on that device
+    (``cuda`` without an index: every CUDA device). Storages of zero bytes and storages whose size
+    is symbolic (fake tensors) are left out: they hold no memory."""
+    found: dict[int, LiveStorage] = {}
+    for tensor in live_tensors():
+        for storage in storages_of(tensor):
+            if device is not None and not on_device(storage.device, device):
+                continue
+            entry = found.get(id(storage))
+            if entry is None:
+                nbytes = storage.nbytes()
+                if not isinstance(nbytes, int) or nbytes == 0:
+                    continue
+                entry = found[id(storage)] = LiveStorage(storage)
+            entry.tensors.append(tensor)
+    return found
+
+
+def on_device(device: torch.device, wanted: torch.device) -> bool:
+    """Whether ``device`` is ``wanted``; a ``wanted`` without an index matches every index."""
+    return device.type == wanted.type and (wanted.index is None or device.index == wanted.index)
