@@ -2,15 +2,15 @@
 
 Run ``python -m memlab.examples.train --epochs 1`` (or ``python memlab/examples/train.py``): the
 ``@memlab.profile`` table of ``train_step`` is printed when the script exits. Everything runs on
-the GPU when there is one, otherwise on torch's default device. On a GPU the numbers are its own; elsewhere a
-:class:`memlab.TensorTracker` counts every tensor from the start (so the model's weights are in
-the numbers, as on a GPU) and reports what the CUDA caching allocator would show.
+the GPU when there is one, otherwise on torch's default device. On a GPU the numbers are its own;
+elsewhere memlab counts the tensors through a :class:`memlab.TensorTracker`, which adopts those that
+exist when ``train_step`` is first called (the model, the data), as a GPU's numbers include them,
+and reports what the CUDA caching allocator would show.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -67,8 +67,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.epochs < 1:
         parser.error(f"--epochs must be at least 1, got {args.epochs}")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.get_default_device()
-    on_gpu = device.type == "cuda"
-    with contextlib.nullcontext() if on_gpu else memlab.TensorTracker(), torch.device(device):
+    with torch.device(device):
         for epoch, loss in enumerate(train(args.epochs), 1):
             print(f"epoch {epoch}: loss {loss:.4f}")
 

@@ -53,8 +53,13 @@ class GlobalLineProfiler(LineProfiler):
 
     def print_at_exit(self) -> None:
         """Print the statistics of every ``@profile`` function to ``sys.stdout``."""
-        tables = [repr(self.display(func, columns)) for func, columns in self.at_exit.items()]
-        sys.stdout.write("\n\n".join(tables))
+        tables = []
+        for func, columns in self.at_exit.items():
+            stats = self.display(func, columns)
+            stats.source = None  # said once, above all tables
+            tables.append(repr(stats))
+        head = self.source_line()
+        sys.stdout.write((f"{head}\n\n" if head and tables else "") + "\n\n".join(tables))
 
 
 _global: GlobalLineProfiler | None = None

@@ -124,23 +124,31 @@ def render_html(tables: Sequence[FunctionTable], columns: Sequence[str]) -> str:
 
 
 class LineStats:
-    """The result of ``LineProfiler.display()``: text as its ``repr``, HTML in notebooks."""
+    """The result of ``LineProfiler.display()``: text as its ``repr``, HTML in notebooks.
 
-    def __init__(self, tables: Sequence[FunctionTable], columns: Sequence[str]) -> None:
+    ``source`` is the line that says where the numbers come from (``None`` before any profiling);
+    it heads the text and the HTML."""
+
+    def __init__(
+        self, tables: Sequence[FunctionTable], columns: Sequence[str], source: str | None = None
+    ) -> None:
         self.tables = list(tables)
         self.columns = tuple(columns)
+        self.source = source
 
     def __repr__(self) -> str:
         if not self.tables:
             return "No functions registered\n"
-        return "\n\n".join(render_text(t, self.columns) for t in self.tables)
+        head = f"{self.source}\n\n" if self.source else ""
+        return head + "\n\n".join(render_text(t, self.columns) for t in self.tables)
 
     __str__ = __repr__
 
     def _repr_html_(self) -> str:
         if not self.tables:
             return "<p>No functions registered</p>"
-        return render_html(self.tables, self.columns)
+        head = f"<p>{html.escape(self.source)}</p>\n" if self.source else ""
+        return head + render_html(self.tables, self.columns)
 
 
 # -- tabular exports ------------------------------------------------------------------------------

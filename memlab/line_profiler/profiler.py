@@ -11,7 +11,7 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
@@ -27,32 +27,14 @@ from memlab.line_profiler.records import (
 )
 from memlab.line_profiler.tracer import Tracer
 from memlab.sources.base import MemorySource
+from memlab.sources.select import Selection, SourceSelector, check_target
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["LineProfiler", "normalize_target"]
+__all__ = ["LineProfiler"]
 
 Target = torch.device | str | int
-_TARGET_FORMS = (
-    "an int GPU index (0, 1, ...), a device string ('cuda', 'cuda:1', 'cpu', 'meta') or a torch.device"
-)
-_SOURCE_FORMS = "None or 'auto', 'cuda', 'tracker', or an object with memory_stats() and sampler()"
-
-
-def normalize_target(target: Target) -> torch.device | int:
-    """Check a ``target_gpu`` value: an ``int`` index stays an ``int``, anything else becomes a
-    ``torch.device``. Raises ``TypeError`` or ``ValueError`` naming the valid forms."""
-    if isinstance(target, bool) or not isinstance(target, (int, str, torch.device)):
-        raise TypeError(f"target_gpu must be {_TARGET_FORMS}; got {type(target).__name__} {target!r}")
-    if isinstance(target, int):
-        if target < 0:
-            raise ValueError(f"target_gpu must be {_TARGET_FORMS}; got the negative index {target}")
-        return target
-    try:
-        return torch.device(target)
-    except RuntimeError:
-        raise ValueError(f"target_gpu must be {_TARGET_FORMS}; got {target!r}") from None
 
 
 def _code_objects(func: Any) -> list[types.CodeType]:
@@ -94,22 +76,26 @@ class LineProfiler(ByCountProfilerMixin):
 
     ``columns`` are the statistics recorded (any key of ``torch.cuda.memory_stats()``, see
     :data:`memlab.STAT_KEYS`, and ``"time"``: wall time in nanoseconds summed over hits, memlab's
-    own overhead of about a microsecond per line included); only recorded statistics can be
-    displayed.
+    own overhead of about a microsecond per line included). Only recorded statistics can be
+    displayed: each one recorded costs time on every profiled line, so they are chosen up front
+    (here, ``@memlab.profile(columns=...)``, ``memlab run -c``, ``%mlrun -c``) or added with
+    :meth:`add_columns` before the next session.
 
-    ``source`` says where the numbers come from: ``None``/``"auto"`` reads the GPU through
-    ``CudaSource`` when ``target_gpu`` names a CUDA device that exists, otherwise a
-    :class:`memlab.TensorTracker` (CUDA caching allocator model) entered while the profiler is
-    enabled, or the tracker the user already entered; ``"cuda"`` and ``"tracker"`` force one; a
-    ``MemorySource`` is used as it is (enter a tracker yourself). The profiler's own tracker is
-    kept between sessions, so memory a profiled call keeps is still counted at the next call.
-    Without a GPU, an ``int`` target measures the default device (``torch.get_default_device()``).
+    ``source`` says where the numbers come from (:mod:`memlab.sources.select`): ``None``/``"auto"``
+    reads the GPU through ``CudaSource`` when ``target_gpu`` names a CUDA device that exists;
+    otherwise a :class:`memlab.TensorTracker` (CUDA caching allocator model): the tracker the user
+    entered, or the profiler's own, entered while it is enabled and kept between sessions, which
+    first adopts the tensors that already exist (the model, optimizer state, the batch), as a GPU's
+    numbers would include them. ``"cuda"`` and ``"tracker"`` force one; a ``MemorySource`` is used
+    as it is. An ``int`` target on a machine without a GPU measures the default device
+    (``torch.get_default_device()``); a CUDA device that does not exist is a ``ValueError``. Every
+    table starts with one line that says where its numbers come from.
 
     What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
-    cannot see: kernel workspaces, the CUDA context, NCCL buffers); ops of threads other than the
+    cannot see: kernel workspaces, the CUDA context, NCCL buffers; at adoption, autograd's saved
+    tensors of a graph alive at entry and tensors held only by C++); ops of threads other than the
     one that entered the tracker; with ``CudaSource``, each sample resets CUDA's peak counters.
-    Several threads profiled at once share one sampling window, so their peaks mix; so do two
-    profilers enabled at once on the same source.
+    Several threads profiled at once share one sampling window, so their peaks mix.
     """
 
     def __init__(
@@ -119,10 +105,8 @@ class LineProfiler(ByCountProfilerMixin):
         source: str | MemorySource | None = None,
         columns: str | Iterable[str] = DEFAULT_COLUMNS,
     ) -> None:
-        if not (source is None or source in ("auto", "cuda", "tracker") or isinstance(source, MemorySource)):
-            raise ValueError(f"source must be {_SOURCE_FORMS}; got {source!r}")
-        self._target = normalize_target(target_gpu)
-        self.source = source
+        self._selector = SourceSelector(source)
+        self._target = check_target(target_gpu)
         recorded = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
         self._records = LineRecords(ColumnLayout(recorded or DEFAULT_COLUMNS))
         self._wanted = self._records.layout
@@ -130,8 +114,7 @@ class LineProfiler(ByCountProfilerMixin):
         self._lock = threading.RLock()
         self._threads = threading.local()
         self._sessions = 0
-        self._session_exit: Callable[[], None] | None = None
-        self._tracker: Any = None
+        self._selection: Selection | None = None
         for func in functions:
             self.add_function(func)
 
@@ -144,7 +127,17 @@ class LineProfiler(ByCountProfilerMixin):
 
     @target_gpu.setter
     def target_gpu(self, target: Target) -> None:
-        self._target = normalize_target(target)
+        self._target = check_target(target)
+
+    @property
+    def source(self) -> str | MemorySource | None:
+        """Where numbers come from: ``None``/``"auto"``, ``"cuda"``, ``"tracker"`` or a
+        ``MemorySource``; setting it takes effect at the next session."""
+        return self._selector.source
+
+    @source.setter
+    def source(self, source: str | MemorySource | None) -> None:
+        self._selector = SourceSelector(source)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -232,48 +225,21 @@ class LineProfiler(ByCountProfilerMixin):
         if self._wanted != self._records.layout:
             self._records.relayout(self._wanted)
         layout = self._records.layout
-        source, device, exit_source = self._open_source()
+        selection = self._selector.open(self._target)
         try:
-            sample = source.sampler(layout.sample_keys, device)
-            entry_sample = source.sampler(layout.entry_keys, device)
+            sample = selection.source.sampler(layout.sample_keys, selection.device)
+            entry_sample = selection.source.sampler(layout.entry_keys, selection.device)
             self._tracer.start(layout, sample, entry_sample)
         except BaseException:
-            exit_source()
+            selection.close()
             raise
-        self._session_exit = exit_source
+        self._selection = self._records.source = selection
 
     def _stop_session(self) -> None:
         self._tracer.stop()
-        exit_source, self._session_exit = self._session_exit, None
-        if exit_source is not None:
-            exit_source()
-
-    def _open_source(self) -> tuple[Any, Any, Callable[[], None]]:
-        """(source, device for its sampler, function that ends its use)."""
-        from memlab.sources.cuda import CudaSource, cuda_device_exists
-
-        target = self._target
-        device = torch.device("cuda", target) if isinstance(target, int) else target
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", 0)
-        exists = cuda_device_exists(device)
-        source = self.source
-        if source == "cuda" or ((source is None or source == "auto") and exists):
-            if not exists:
-                raise ValueError(f"source='cuda' needs a CUDA device; {device} does not exist here")
-            return CudaSource(device), device, lambda: None
-        measured = None if device.type == "cuda" and not exists else device
-        if source not in (None, "auto", "tracker"):
-            return source, measured, lambda: None
-        from memlab.sources.tracker import TensorTracker, active_tracker
-
-        tracker = active_tracker()
-        if tracker is not None:
-            return tracker, measured, lambda: None
-        if self._tracker is None:
-            self._tracker = TensorTracker()
-        tracker = self._tracker.__enter__()
-        return tracker, measured, lambda: tracker.__exit__(None, None, None)
+        selection, self._selection = self._selection, None
+        if selection is not None:
+            selection.close()
 
     # -- results ----------------------------------------------------------------------------------
     def _codes(self, func: Any) -> list[types.CodeType]:
@@ -300,9 +266,12 @@ class LineProfiler(ByCountProfilerMixin):
         missing = [c for c in columns if c not in recorded]
         if missing:
             raise ValueError(
-                f"column {missing[0]!r} was not recorded; recorded columns: "
-                f"{', '.join((*EXTRA_COLUMNS, *self._records.layout.keys))}. Record more with "
-                "LineProfiler(columns=...) or @memlab.profile(columns=...)"
+                f"column {missing[0]!r} was not recorded: memlab records only the columns chosen "
+                "before profiling, since each one costs time on every profiled line; recorded: "
+                f"{', '.join((*EXTRA_COLUMNS, *self._records.layout.keys))}. Choose it up front with "
+                f"LineProfiler(columns=[..., {missing[0]!r}]), @memlab.profile(columns=...), "
+                f"memlab run -c {missing[0]} or %mlrun -c {missing[0]}, or call "
+                "add_columns() before the next session"
             )
         return self._records.tables(self._codes(func), columns)
 
@@ -312,7 +281,15 @@ class LineProfiler(ByCountProfilerMixin):
         object that prints as text (``repr``) and renders as HTML in notebooks. Byte columns print
         as 1024-based sizes (``40.00K``); lines that never ran are blank."""
         columns = self._records.layout.keys if columns is None else validate_columns(columns)
-        return _display.LineStats(self._tables(func, columns), columns)
+        return _display.LineStats(self._tables(func, columns), columns, self.source_line())
+
+    def source_line(self) -> str | None:
+        """The line that says where the numbers come from, e.g. ``measured on cuda:0
+        (torch.cuda.memory_stats)`` or ``modelled: CUDA caching allocator replayed from cpu
+        tensors (memlab.TensorTracker); 2 tensor storages (40.50K) existed before profiling``;
+        ``None`` before the first session."""
+        source = self._records.source
+        return None if source is None else source.describe()
 
     def print_stats(
         self,

@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import CodeType
+from typing import Any
 
 from memlab.sources.stats import COUNTERS, STAT_KEYS
 
@@ -219,6 +220,8 @@ class LineRecords:
     def __init__(self, layout: ColumnLayout) -> None:
         self.layout = layout
         self.functions: dict[CodeType, FunctionRecord] = {}
+        #: The memory source of the latest session: its ``describe()`` says where numbers come from.
+        self.source: Any = None
 
     def add(self, code: CodeType) -> FunctionRecord:
         """Register ``code`` (idempotent) and return its record."""

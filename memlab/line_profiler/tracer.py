@@ -163,6 +163,7 @@ class Tracer:
         if threading.gettrace() is self._thread_hook:
             threading.settrace(_skip_retired(self._previous_thread_hook))  # type: ignore[arg-type]
         self._thread_hook = None
+        self.sample = self.entry_sample = None  # a live sampler keeps its window open
 
     # -- one thread -----------------------------------------------------------------------------
     def install(self) -> tuple[TraceFunction, TraceFunction | None, list[bool]] | None:

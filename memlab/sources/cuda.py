@@ -10,18 +10,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from memlab.sources.base import normalize_device
+from memlab._devices import cuda_device_exists, resolve_device
 from memlab.sources.stats import STAT_KEYS
 
-__all__ = ["CudaSource", "cuda_device_exists"]
-
-
-def cuda_device_exists(device: torch.device) -> bool:
-    """Whether ``device`` is a CUDA device present on this machine (never initialises CUDA
-    on a machine without one)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return (device.index or 0) < torch.cuda.device_count()
+__all__ = ["CudaSource", "cuda_device_exists"]  # cuda_device_exists: see memlab._devices
 
 
 class CudaSource:
@@ -39,7 +31,7 @@ class CudaSource:
     """
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
-        self.device = None if device is None else normalize_device(device)
+        self.device = None if device is None else resolve_device(device)
 
     def _device(self, device: torch.device | str | int | None) -> torch.device | int | None:
         return self.device if device is None else device

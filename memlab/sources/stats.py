@@ -10,6 +10,7 @@ is what gives the line profiler per-line peaks without touching the user-visible
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence, Sized
 
@@ -102,6 +103,7 @@ class StatTable:
             for pool in POOLS:
                 self.stats[f"{alias}.{pool}"] = self.stats[f"{target}.{pool}"]
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._windows = _Windows()
 
     def pools(self, name: str) -> tuple[list[int], list[int], list[int]]:
         """The ``all``, ``small_pool`` and ``large_pool`` lists of a pooled statistic."""
@@ -140,23 +142,31 @@ class StatTable:
         """Return a function that reads ``keys`` and then starts a new sampling window.
 
         Each call returns one value per key, in order. For a ``*.peak`` key the value is the
-        highest reached since the previous call of the same sampler (the window), not the
+        highest reached since the previous call of the same sampler (its window), not the
         user-visible peak, which is left untouched. Other keys read as in :meth:`as_dict`.
         ``flush`` is called first whenever ``pending`` is non-empty (a tracker's queued frees).
-        Raises ``ValueError`` naming the valid keys for an unknown key. Two samplers of one
-        table share the window, so run one line profiler at a time per table.
+        Raises ``ValueError`` naming the valid keys for an unknown key.
+
+        Several samplers of one table (two line profilers on one tracker) keep separate windows:
+        while more than one sampler with peak keys is alive, a call folds the shared running
+        window into the other samplers' own before starting a new one.
 
         The function is generated with its reads unrolled: the line profiler calls it on every
-        line event, so it must cost little more than building the tuple.
+        line event, so it must cost little more than building the tuple. The shared-window path
+        is a plain Python function, taken only while several samplers are alive.
         """
         names: dict[str, object] = {"counters": self.counters, "pending": pending, "flush": flush}
         reads: list[str] = []
         resets: list[str] = []
+        slow_reads: list[tuple[list[int] | dict[str, int], int | str, bool]] = []
+        window = _Window()
+        self._windows.fold(None)  # a new sampler starts a new running window: keep the others'
         for key in keys:
             if key not in STAT_KEYS:
                 raise ValueError(f"unknown statistic {key!r}; valid keys are: {', '.join(STAT_KEYS)}")
             if key in self.counters:
                 reads.append(f"counters[{key!r}]")
+                slow_reads.append((self.counters, key, False))
                 continue
             base, metric = key.rsplit(".", 1)
             stat = self.stats[base]
@@ -166,14 +176,88 @@ class StatTable:
                 stat[WINDOW_PEAK] = stat[CURRENT]
                 reads.append(f"{name}[{WINDOW_PEAK}]")
                 resets.append(f"    {name}[{WINDOW_PEAK}] = {name}[{CURRENT}]\n")
+                slow_reads.append((stat, len(window.stats), True))
+                window.stats.append(stat)
+                window.carry.append(0)
             else:
                 reads.append(f"{name}[{_METRIC_INDEX[metric]}]")
+                slow_reads.append((stat, _METRIC_INDEX[metric], False))
+        shared = ""
+        if window.stats:
+            # The peak of this table's running window must be folded into the other samplers'
+            # own windows before this one resets it.
+            self._windows.register(window)
+            window.slow_reads = slow_reads
+            names.update(shared_flag=self._windows.shared, shared_sample=self._windows.sample, window=window)
+            shared = "    if shared_flag[0]:\n        return shared_sample(window)\n"
         source = (
             "def sample():\n"
             + ("    if pending:\n        flush()\n" if flush is not None else "")
+            + shared
             + f"    values = ({', '.join(reads)}{',' if len(reads) == 1 else ''})\n"
             + "".join(resets)
             + "    return values\n"
         )
         exec(source, names)
-        return names["sample"]  # type: ignore[return-value]
+        # Not kept in its own globals, so that the function and its window die with the last
+        # reference to it (no reference cycle waiting for gc).
+        return names.pop("sample")  # type: ignore[return-value]
+
+
+class _Window:
+    """One sampler's own window: the statistics behind its peak keys and the highest value each
+    reached since the sampler's last call while other samplers reset the table's window."""
+
+    __slots__ = ("__weakref__", "carry", "slow_reads", "stats")
+
+    def __init__(self) -> None:
+        self.stats: list[list[int]] = []
+        self.carry: list[int] = []
+        self.slow_reads: list[tuple[list[int] | dict[str, int], int | str, bool]] = []
+
+
+class _Windows:
+    """The live samplers (with peak keys) of one table; ``shared[0]`` says whether there are
+    several, which sends every sampler down :meth:`sample`."""
+
+    def __init__(self) -> None:
+        self.shared = [False]
+        self._live: dict[int, weakref.ref[_Window]] = {}
+
+    def register(self, window: _Window) -> None:
+        key = id(window)
+        self._live[key] = weakref.ref(window, lambda _, key=key: self._forget(key))
+        self.shared[0] = len(self._live) > 1
+
+    def _forget(self, key: int) -> None:
+        self._live.pop(key, None)
+        self.shared[0] = len(self._live) > 1
+
+    def fold(self, me: _Window | None) -> None:
+        """Fold the running window into every live sampler's own window except ``me``."""
+        for ref in list(self._live.values()):
+            other = ref()
+            if other is None or other is me:
+                continue
+            carry = other.carry
+            for j, stat in enumerate(other.stats):
+                if stat[WINDOW_PEAK] > carry[j]:
+                    carry[j] = stat[WINDOW_PEAK]
+
+    def sample(self, me: _Window) -> tuple[int, ...]:
+        """Read ``me``'s keys: peaks are the highest of the running window and what other
+        samplers' resets folded into ``me``; then fold the running window into the others and
+        start a new one."""
+        values = []
+        for container, index, peak in me.slow_reads:
+            if peak:
+                value = container[WINDOW_PEAK]  # type: ignore[index]
+                carried = me.carry[index]  # type: ignore[index]
+                values.append(carried if carried > value else value)
+            else:
+                values.append(container[index])  # type: ignore[index]
+        self.fold(me)
+        for j, stat in enumerate(me.stats):
+            me.carry[j] = 0
+            stat[WINDOW_PEAK] = stat[CURRENT]
+        return tuple(values)

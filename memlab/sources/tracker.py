@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from memlab._devices import resolve_device
+from memlab._tensors import live_storages, storages_of
 from memlab._units import parse_size
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
-from memlab.sources.base import normalize_device
 
 __all__ = ["TensorTracker", "active_tracker"]
 
@@ -63,22 +64,27 @@ class _OpKind:
 def _collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:
     """Append the storages of every tensor in ``obj`` (a tensor or nested lists/tuples of them)."""
     if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor and obj.layout is torch.strided:
+        if type(obj) is torch.Tensor and obj.layout is torch.strided:  # the common case, inline
             into.append(obj.untyped_storage())
-        elif is_traceable_wrapper_subclass(obj):
-            attrs, _ = obj.__tensor_flatten__()
-            for attr in attrs:
-                _collect_storages(getattr(obj, attr), into)
-        elif obj.is_sparse:
-            _collect_storages((obj._indices(), obj._values()), into)
         else:
-            try:
-                into.append(obj.untyped_storage())
-            except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-                pass
+            into.extend(storages_of(obj))
     elif type(obj) is list or type(obj) is tuple:
         for item in obj:
             _collect_storages(item, into)
+
+
+class _Warmup(TorchDispatchMode):
+    """A pass-through mode: the first op under any dispatch mode imports ``torch._dynamo``
+    (seconds), which must not land in the first profiled line."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def _warm_up() -> None:
+    with _Warmup():
+        torch.empty(0, device="meta")
 
 
 class TensorTracker(TorchDispatchMode):
@@ -95,6 +101,10 @@ class TensorTracker(TorchDispatchMode):
     segments, caching); ``allocator=None`` counts exact bytes (reserved = allocated = requested).
     ``capacity`` (bytes or a string such as ``"8 GiB"``) is every device's total memory: an op whose
     result would not fit raises ``torch.OutOfMemoryError`` where the modelled GPU would.
+    ``adopt=True`` counts, at every entry, the tensors that already exist and that ``gc`` can
+    reach (:meth:`adopt`), as a GPU's own numbers would include them; memlab's profilers enter
+    their trackers that way. With ``adopt=False`` (default) storages that existed before entry
+    are never counted.
 
     What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
     single op, the CUDA context, NCCL buffers, memory allocated outside PyTorch's dispatcher
@@ -103,26 +113,37 @@ class TensorTracker(TorchDispatchMode):
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
     """
 
-    def __init__(self, allocator: str | None = "cuda", capacity: int | str | None = None) -> None:
+    def __init__(
+        self, allocator: str | None = "cuda", capacity: int | str | None = None, adopt: bool = False
+    ) -> None:
         super().__init__()
         if allocator not in _ALLOCATORS:
             raise ValueError(
                 f"allocator must be 'cuda' (the CUDA caching allocator model) or None (exact bytes); "
                 f"got {allocator!r}"
             )
+        if not isinstance(adopt, bool):
+            raise TypeError(f"adopt must be True or False, got {type(adopt).__name__} {adopt!r}")
         self.allocator = allocator
+        self.adopt_on_enter = adopt
+        #: ``(storages, bytes)`` adopted by each call of :meth:`adopt` that found any, in order.
+        self.adoptions: list[tuple[int, int]] = []
         self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
         self._new_allocator = functools.partial(_ALLOCATORS[allocator], capacity=self.capacity)
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
+        self._seen: dict[torch.device, None] = {}  # devices of tracked storages, in order
         self._live: dict[int, _StorageRef] = {}
         self._pending: deque[_StorageRef] = deque()
         self._kinds: dict[Any, _OpKind] = {}
 
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> TensorTracker:
+        _warm_up()
         super().__enter__()
         _active.append(self)
+        if self.adopt_on_enter:
+            self.adopt()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -162,6 +183,36 @@ class TensorTracker(TorchDispatchMode):
                     self._track(storage)
         return out
 
+    def adopt(self, device: torch.device | str | int | None = None) -> tuple[int, int]:
+        """Count the storages that ``gc`` can reach and the tracker does not know yet as allocated
+        now, and their release when it happens, as if the tracker had seen them created.
+
+        On a GPU, memory that existed before profiling (the model, optimizer state, the batch)
+        is in the allocator's numbers; adoption puts it into the modelled ones. ``device``
+        (default: every device) limits it to one device. Storages are allocated in the model in
+        the order ``gc`` lists their tensors, which may fill the cache differently from the
+        order they were created in (reserved bytes can then differ from a run tracked from the
+        start; allocated and active bytes do not, except where a cached block is handed out
+        whole). Returns ``(storages, bytes)`` adopted by this call; bytes as the modelled
+        allocator counts them (``allocated_bytes.all``: with the CUDA model, rounded to blocks).
+
+        Adoption cannot see autograd's saved tensors of a graph alive at that moment, tensors
+        held only by C++ code, or memory allocated outside PyTorch's storages.
+        """
+        if self._pending:
+            self._drain()
+        wanted = None if device is None else resolve_device(device)
+        storages = [entry.storage for key, entry in live_storages(wanted).items() if key not in self._live]
+        before = {d: a.table.stats["allocated_bytes.all"][0] for d, a in self._allocators.items()}
+        for storage in storages:
+            self._track(storage)
+        adopted = sum(
+            a.table.stats["allocated_bytes.all"][0] - before.get(d, 0) for d, a in self._allocators.items()
+        )
+        if storages or not self.adoptions:  # the first call is kept: "nothing existed before"
+            self.adoptions.append((len(storages), adopted))
+        return len(storages), adopted
+
     def _allocator_for(self, device: torch.device) -> Any:
         allocator = self._allocators.get(device)
         if allocator is None:
@@ -170,7 +221,10 @@ class TensorTracker(TorchDispatchMode):
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         nbytes = storage.nbytes()
-        allocator = self._allocator_for(storage.device)
+        device = storage.device
+        allocator = self._allocator_for(device)
+        if device not in self._seen:
+            self._seen[device] = None
         handle = allocator.malloc(nbytes) if nbytes else None
         ref = _StorageRef(storage, self._pending.append)
         ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
@@ -198,14 +252,18 @@ class TensorTracker(TorchDispatchMode):
     def _stats_allocator(self, device: torch.device | str | int | None) -> Any:
         if self._pending:
             self._drain()
-        return self._allocator_for(normalize_device(device))
+        if device is None and len(self._seen) == 1:
+            device = next(iter(self._seen))
+        return self._allocator_for(resolve_device(device))
 
     def memory_stats(self, device: torch.device | str | int | None = None) -> dict[str, int]:
         """Allocator statistics of ``device`` with the keys of ``torch.cuda.memory_stats()``.
 
         Bytes for ``*_bytes.*`` keys, counts otherwise, as the modelled allocator would report
-        them for the storages created since the tracker was entered. ``device=None`` is the
-        default device (``torch.get_default_device()``); a device never used reads all zeros.
+        them for the storages created since the tracker was entered (and those it adopted).
+        ``device=None`` is the one device the tracker has seen storages on, or, when it has seen
+        none or several, the default device (``torch.get_default_device()``); a device never
+        used reads all zeros. The other methods read ``device=None`` the same way.
         """
         return self._stats_allocator(device).memory_stats()
 

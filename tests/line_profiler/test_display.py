@@ -16,6 +16,10 @@ from memlab.line_profiler.display import format_time
 
 U8 = torch.uint8
 COLUMNS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
+EXACT = (
+    "modelled (no CUDA GPU here): exact bytes of cpu tensors (memlab.TensorTracker(allocator=None)); "
+    "tensors made before the tracker was entered are not counted"
+)
 
 
 def branch(flag):
@@ -44,6 +48,8 @@ def profiled(exact):
 
 def test_text_leaves_lines_that_never_ran_blank(profiled):
     assert repr(profiled.display(branch, COLUMNS)) == (
+        f"{EXACT}\n"
+        "\n"
         "## branch\n"
         "\n"
         "allocated_bytes reserved_bytes line  code\n"
@@ -60,7 +66,7 @@ def test_text_leaves_lines_that_never_ran_blank(profiled):
 
 def test_text_reports_a_registered_function_that_never_ran(profiled):
     assert repr(profiled.display(never_called)) == (
-        "## never_called\n\nregistered, but never called while profiling\n"
+        f"{EXACT}\n\n## never_called\n\nregistered, but never called while profiling\n"
     )
 
 
@@ -69,13 +75,13 @@ def test_text_shows_hits_delta_and_keys_with_fewer_parts(profiled):
     with lp:
         branch(False)
     text = repr(lp.display(branch, ("hits", "delta", "num_alloc_retries", "oversize_allocations.peak")))
-    assert text.splitlines()[2:6] == [
+    assert text.splitlines()[4:8] == [
         "hits delta num_alloc_retries oversize_allocations line  code",
         "",
         " " * 45 + "peak",
         f"   1 0.00B                 0                    0 {line(branch, 0):>4}  def branch(flag):",
     ]
-    assert text.splitlines()[9] == (
+    assert text.splitlines()[11] == (
         f"   1 1.00K                 0                    0 {line(branch, 4):>4}"
         "          block = torch.empty(1024, dtype=U8)"
     )
@@ -83,13 +89,13 @@ def test_text_shows_hits_delta_and_keys_with_fewer_parts(profiled):
 
 def test_display_of_all_functions_joins_them_in_registration_order(profiled):
     text = repr(profiled.display(columns=COLUMNS))
-    assert text.startswith("## branch\n")
+    assert text.startswith(f"{EXACT}\n\n## branch\n")
     assert text.endswith("\n\n\n## never_called\n\nregistered, but never called while profiling\n")
 
 
 def test_html_draws_a_bar_per_column_scaled_to_its_largest_value(profiled):
     html = profiled.display(branch, COLUMNS)._repr_html_()
-    assert html.startswith('<h3><span style="font-family: monospace">branch</span></h3>')
+    assert html.startswith(f'<p>{EXACT}</p>\n<h3><span style="font-family: monospace">branch</span></h3>')
     assert html.count("linear-gradient(90deg, #4878d0 100.0%, transparent 100.0%)") == 2
     assert html.count("linear-gradient(90deg, #ee854a 100.0%, transparent 100.0%)") == 2
     assert "block = torch.empty(2048, dtype=U8)" in html
@@ -111,7 +117,9 @@ def test_print_stats_writes_to_sys_stdout_as_it_is_when_called(profiled):
 def test_print_stats_writes_to_a_given_stream(profiled):
     stream = io.StringIO()
     profiled.print_stats(never_called, stream=stream)
-    assert stream.getvalue() == "## never_called\n\nregistered, but never called while profiling\n"
+    assert (
+        stream.getvalue() == f"{EXACT}\n\n## never_called\n\nregistered, but never called while profiling\n"
+    )
 
 
 def test_to_dataframe_has_one_row_per_source_line_and_nullable_integers(profiled):

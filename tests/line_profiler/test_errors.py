@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memlab
-from memlab.line_profiler.profiler import normalize_target
+from memlab.sources.select import check_target
 
 
 def work():
@@ -31,10 +31,16 @@ def test_a_bad_column_name_at_display_lists_the_valid_names():
 
 def test_a_valid_but_unrecorded_column_says_how_to_record_it():
     lp = memlab.LineProfiler(work)
-    with pytest.raises(
-        ValueError, match=r"'segment\.all\.current' was not recorded; recorded columns: hits, delta"
-    ):
+    with pytest.raises(ValueError) as error:
         lp.to_dataframe(columns=("segment.all.current",))
+    assert str(error.value) == (
+        "column 'segment.all.current' was not recorded: memlab records only the columns chosen before "
+        "profiling, since each one costs time on every profiled line; recorded: hits, delta, "
+        "active_bytes.all.peak, reserved_bytes.all.peak. Choose it up front with "
+        "LineProfiler(columns=[..., 'segment.all.current']), @memlab.profile(columns=...), "
+        "memlab run -c segment.all.current or %mlrun -c segment.all.current, or call add_columns() "
+        "before the next session"
+    )
 
 
 def test_columns_added_while_disabled_are_recorded_at_once():
@@ -77,25 +83,42 @@ def test_selecting_an_unregistered_function_lists_the_registered_ones():
     ("target", "expected"),
     [
         (0, 0),
-        (1, 1),
-        ("cuda:1", torch.device("cuda", 1)),
+        ("0", 0),
         ("cpu", torch.device("cpu")),
         ("meta", torch.device("meta")),
         (torch.device("meta"), torch.device("meta")),
     ],
 )
 def test_valid_targets(target, expected):
-    assert normalize_target(target) == expected
+    assert check_target(target) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+def test_an_int_target_without_a_gpu_is_kept_for_the_default_device():
+    assert check_target(1) == 1  # pytorch_memlab's target_gpu=N: modelled, and the table says so
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+@pytest.mark.parametrize("target", ["cuda:7", "cuda", torch.device("cuda", 7)])
+def test_a_named_gpu_that_does_not_exist_is_an_error_not_a_substitution(target):
+    device = torch.device(target)
+    with pytest.raises(ValueError) as error:
+        memlab.LineProfiler(work, target_gpu=target)
+    assert str(error.value) == (
+        f"target_gpu {device}: no such GPU (this machine has no CUDA GPU); use 'cpu' or 'meta' to model one"
+    )
+    with pytest.raises(ValueError, match="no such GPU"):
+        memlab.set_target_gpu(target)
 
 
 @pytest.mark.parametrize(
     ("target", "error", "message"),
     [
-        (1.5, TypeError, "target_gpu must be an int GPU index .* got float 1.5"),
+        (1.5, TypeError, r"target_gpu must be 'cpu', 'meta', 'cuda', 'cuda:1', .* got float 1\.5"),
         (True, TypeError, "got bool True"),
         (None, TypeError, "got NoneType None"),
         (-1, ValueError, "got the negative index -1"),
-        ("gpu0", ValueError, "a device string .* got 'gpu0'"),
+        ("gpu0", ValueError, "target_gpu 'gpu0' is not a device; valid: 'cpu', 'meta'"),
     ],
 )
 def test_set_target_gpu_rejects_anything_else_listing_the_valid_forms(target, error, message):
@@ -113,8 +136,12 @@ def test_source_cuda_without_a_gpu_fails_when_enabled():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     lp = memlab.LineProfiler(work, source="cuda")
-    with pytest.raises(ValueError, match="source='cuda' needs a CUDA device; cuda:0 does not exist here"):
+    with pytest.raises(ValueError) as error:
         lp.enable()
+    assert str(error.value) == (
+        "source='cuda' reads a CUDA GPU's own statistics, but the target is cpu and this machine has "
+        "no CUDA GPU; use source=None or 'tracker' to model the GPU's numbers"
+    )
     assert not lp.enabled
 
 

@@ -29,6 +29,9 @@ def test_published_pytorch_memlab_example_reads_the_same_on_cpu():
         outer()
     text = repr(lp.display())
     assert text == (
+        "modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors "
+        "(memlab.TensorTracker); no tensors existed before profiling\n"
+        "\n"
         "## outer\n"
         "\n"
         "active_bytes reserved_bytes line  code\n"

@@ -1,0 +1,147 @@
+"""Which memory source measures a target, and the one line that says where the numbers come from.
+
+The rule, the same for the line profiler, the magics, the command line and the reporter:
+
+- a CUDA device that exists here is measured by :class:`~memlab.sources.cuda.CudaSource`
+  (``torch.cuda.memory_stats``);
+- anything else is modelled by a :class:`~memlab.sources.tracker.TensorTracker` replaying the
+  tensors of the measured device through the CUDA caching allocator model: the tracker the user
+  entered, or one memlab enters, which adopts the tensors that exist already (:meth:`adopt`);
+- an ``int`` target (``target_gpu=0``, pytorch_memlab's default) on a machine without any CUDA
+  GPU measures torch's default device, and the line says so; a CUDA device named explicitly that
+  does not exist is a ``ValueError``, never a silent substitution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memlab._devices import cuda_device_exists, parse_device, require_usable, with_index
+from memlab._units import format_size
+from memlab.sources.base import MemorySource
+
+__all__ = ["SOURCE_FORMS", "Selection", "SourceSelector", "check_target", "describe_source"]
+
+Target = torch.device | str | int
+SOURCE_FORMS = "None or 'auto', 'cuda', 'tracker', or an object with memory_stats() and sampler()"
+
+
+def check_target(target: Target, *, name: str = "target_gpu") -> torch.device | int:
+    """A target device checked early: an ``int`` stays an ``int`` (it may mean "the default device"
+    on a machine without a GPU, decided when profiling starts), anything else becomes a
+    ``torch.device`` this machine can use. Raises ``TypeError``/``ValueError`` naming the valid
+    forms, or saying that the GPU asked for does not exist here."""
+    if isinstance(target, str) and target.strip().isdigit():
+        target = int(target)
+    device = parse_device(target, name=name)
+    if isinstance(target, int):
+        if torch.cuda.is_available():
+            require_usable(device, name=name)
+        return target
+    return require_usable(device, name=name)
+
+
+def _measured(target: torch.device | int) -> tuple[torch.device, bool]:
+    """(device measured, whether an int target fell back to the default device: no GPU here)."""
+    if isinstance(target, int):
+        if not torch.cuda.is_available():
+            return with_index(torch.get_default_device()), True
+        target = torch.device("cuda", target)
+    return with_index(require_usable(target, name="target_gpu")), False
+
+
+def describe_source(source: Any, device: torch.device | None, fallback: bool = False) -> str:
+    """The line that says where numbers come from, e.g. ``measured on cuda:0
+    (torch.cuda.memory_stats)`` or ``modelled: CUDA caching allocator replayed from cpu tensors
+    (memlab.TensorTracker); 2 tensor storages (40.50K) existed before profiling``."""
+    from memlab.sources.cuda import CudaSource
+    from memlab.sources.tracker import TensorTracker
+
+    where = "the default device" if device is None else str(device)
+    if isinstance(source, CudaSource):
+        return f"measured on {where} (torch.cuda.memory_stats)"
+    if not isinstance(source, TensorTracker):
+        return f"read from {type(source).__name__} for {where}"
+    kind = where if device is None else f"{device.type} tensors"
+    modelled = "modelled (no CUDA GPU here)" if fallback else "modelled"
+    if source.allocator == "cuda":
+        text = f"{modelled}: CUDA caching allocator replayed from {kind} (memlab.TensorTracker)"
+    else:
+        text = f"{modelled}: exact bytes of {kind} (memlab.TensorTracker(allocator=None))"
+    if source.adoptions:
+        (storages, nbytes), later = source.adoptions[0], sum(n for n, _ in source.adoptions[1:])
+        if storages:
+            text += f"; {_storages(storages)} ({format_size(nbytes)}) existed before profiling"
+        else:
+            text += "; no tensors existed before profiling"
+        if later:
+            text += f", {later} more were adopted at later calls"
+    elif not source.adopt_on_enter:
+        text += "; tensors made before the tracker was entered are not counted"
+    return text
+
+
+def _storages(count: int) -> str:
+    return f"{count} tensor storage{'s' * (count != 1)}"
+
+
+class Selection:
+    """An open memory source: ``source`` to sample, ``device`` to sample it for, ``close()`` to end
+    its use, and :meth:`describe` for the line that says where the numbers come from."""
+
+    def __init__(
+        self, source: Any, device: torch.device | None, close: Callable[[], None], fallback: bool
+    ) -> None:
+        self.source, self.device, self.close, self.fallback = source, device, close, fallback
+
+    def describe(self) -> str:
+        """See :func:`describe_source` (read when asked: adoption counts grow between sessions)."""
+        return describe_source(self.source, self.device, self.fallback)
+
+
+class SourceSelector:
+    """Opens the memory source for a target each time profiling starts.
+
+    ``source`` is ``None``/``"auto"`` (the rule in the module docstring), ``"cuda"``, ``"tracker"``
+    or a ``MemorySource`` used as it is. A tracker memlab creates is kept between sessions (memory
+    a profiled call keeps is still counted at the next call) and adopts, at every session start,
+    the tensors it does not know yet; a tracker the user entered is used as it is.
+    """
+
+    def __init__(self, source: str | MemorySource | None = None) -> None:
+        if not (source is None or source in ("auto", "cuda", "tracker") or isinstance(source, MemorySource)):
+            raise ValueError(f"source must be {SOURCE_FORMS}; got {source!r}")
+        self.source = source
+        self._tracker: Any = None
+
+    def open(self, target: torch.device | int) -> Selection:
+        """Open the source measuring ``target`` (checked by :func:`check_target`)."""
+        from memlab.sources.cuda import CudaSource
+
+        device, fallback = _measured(target)
+        exists = cuda_device_exists(device)
+        source = self.source
+        if source == "cuda" or (source in (None, "auto") and exists):
+            if not exists:
+                have = "has no CUDA GPU" if not torch.cuda.is_available() else "does not have it"
+                raise ValueError(
+                    f"source='cuda' reads a CUDA GPU's own statistics, but the target is {device} "
+                    f"and this machine {have}; use source=None or 'tracker' to model the GPU's numbers"
+                )
+            return Selection(CudaSource(device), device, lambda: None, False)
+        if source not in (None, "auto", "tracker"):
+            return Selection(source, device, lambda: None, fallback)
+        from memlab.sources.tracker import TensorTracker, active_tracker
+
+        tracker = active_tracker()
+        if tracker is not None:
+            if tracker.adopt_on_enter:
+                tracker.adopt()  # tensors created since it was entered, in other threads or outside it
+            return Selection(tracker, device, lambda: None, fallback)
+        if self._tracker is None:
+            self._tracker = TensorTracker(adopt=True)
+        tracker = self._tracker.__enter__()
+        return Selection(tracker, device, lambda: tracker.__exit__(None, None, None), fallback)
