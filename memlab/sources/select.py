@@ -78,7 +78,7 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
         else:
             text += "; no tensors existed before profiling"
         if later:
-            text += f", {later} more were adopted at later calls"
+            text += f", {later} more {'was' if later == 1 else 'were'} adopted at later calls"
     elif not source.adopt_on_enter:
         text += "; tensors made before the tracker was entered are not counted"
     return text

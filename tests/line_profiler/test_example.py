@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pandas as pd
+import pytest
+import torch
+
 import memlab
 
 EXAMPLE = os.path.join(os.path.dirname(memlab.__file__), "examples", "train.py")
@@ -39,3 +43,38 @@ def test_the_example_prints_train_step_line_by_line_at_exit():
         (["32.70M", "42.00M", "43"], "optimizer.step()"),
         (["24.70M", "42.00M", "44"], "return loss.item()"),
     ]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_modelled_numbers_per_line_match_the_gpus_own():
+    """The packaged example's train_step on a GPU, profiled twice at once: by the GPU's own
+    statistics (``source="cuda"``) and by a TensorTracker attached to the same run, which replays
+    the same CUDA tensors through the allocator model.
+
+    What differs, and why: cuBLAS allocates its workspace through the caching allocator at the first
+    matmul, outside the dispatcher, so the GPU counts it and the tracker cannot; it stays allocated,
+    so from the first forward on the GPU's allocated bytes exceed the model's by the same amount on
+    every line. Nothing else may differ.
+    """
+    from memlab.examples import train
+
+    device = torch.device("cuda", 0)
+    columns = ("allocated_bytes.all.peak",)
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = train.make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        inputs = torch.randn(train.BATCH_SIZE, train.FEATURES)
+        targets = torch.randint(0, train.CLASSES, (train.BATCH_SIZE,))
+        step = train.train_step.__wrapped__
+        with memlab.TensorTracker(adopt=True) as tracker:
+            gpu = memlab.LineProfiler(step, target_gpu=device, source="cuda", columns=columns)
+            modelled = memlab.LineProfiler(step, target_gpu=device, source=tracker, columns=columns)
+            for _ in range(3):
+                with gpu, modelled:
+                    step(model, optimizer, inputs, targets)
+    measured = [row[1] for row in gpu.to_dataframe(step, columns).itertuples(index=False)]
+    replayed = [row[1] for row in modelled.to_dataframe(step, columns).itertuples(index=False)]
+    gaps = [m - r for m, r in zip(measured, replayed, strict=True) if not pd.isna(m)]
+    assert all(gap >= 0 for gap in gaps), (measured, replayed)
+    assert len(set(gaps[1:])) == 1, (measured, replayed)  # the workspace, the same on every line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import torch
 
@@ -280,3 +281,55 @@ def test_records_stay_one_row_per_line_however_many_events(exact):
         *range(loop.__code__.co_firstlineno + 1, loop.__code__.co_firstlineno + 6),
     ]
     assert all(len(row) == len(record.rows[0]) for row in record.rows.values())
+
+
+def test_a_profile_every_function_inside_a_profiler_keeps_that_profilers_peaks(global_profiler, capsys):
+    @memlab.profile_every(1)
+    def layer():
+        torch.nn.Linear(100, 100)  # made and freed within the line: only a window peak sees it
+
+    def model():
+        first = torch.nn.Linear(100, 100)  # noqa: F841
+        second = torch.nn.Linear(100, 100)  # noqa: F841
+        layer()
+
+    lp = memlab.LineProfiler(model, layer)
+    with lp:
+        model()
+    # the decorators' profiler samples the same tracker at every line of layer(); its windows must
+    # not eat the peaks of lp's own window (the 40.00K of layer()'s Linear inside model's last line)
+    assert [row[1] for row in lp.to_dataframe(model).itertuples(index=False)] == [
+        0,
+        40 * 1024,
+        80 * 1024,
+        120 * 1024,
+    ]
+    assert [row[1] for row in lp.to_dataframe(layer).itertuples(index=False)][-2:] == [80 * 1024, 120 * 1024]
+    report = capsys.readouterr().out.splitlines()  # profile_every's own report, from the same tracker
+    assert [line.split()[0] for line in report[-3:-1]] == ["80.00K", "120.00K"]
+
+
+def test_tensors_alive_before_profiling_are_in_the_def_row_as_on_a_gpu():
+    gc.collect()  # garbage of earlier tests would be adopted too, as a GPU would still hold it
+    with torch.device("meta"):
+        layer = torch.nn.Linear(100, 100)
+
+    def grow():
+        return torch.empty(1000, dtype=U8, device="meta")
+
+    lp = memlab.LineProfiler(grow, target_gpu="meta", columns=("active_bytes.all.peak",))
+    with lp:
+        kept = grow()
+    assert lp.source_line() == (
+        "modelled: CUDA caching allocator replayed from meta tensors (memlab.TensorTracker); "
+        "2 tensor storages (40.00K) existed before profiling"
+    )
+    # the layer: 40 448 B + 512 B; then grow's 1000 B as a 1 KiB block
+    assert [row[1] for row in lp.to_dataframe(grow).itertuples(index=False)] == [40_960, 40_960 + 1024]
+    between = torch.empty(2048, dtype=U8, device="meta")  # made outside profiling, alive at the next call
+    with lp:
+        grow()
+    assert lp.source_line().endswith("existed before profiling, 1 more was adopted at later calls")
+    peaks = [row[1] for row in lp.to_dataframe(grow).itertuples(index=False)]
+    assert peaks == [40_960 + 1024 + 2048, 40_960 + 1024 + 2048 + 1024]
+    del layer, kept, between

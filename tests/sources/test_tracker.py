@@ -487,3 +487,71 @@ def test_meta_run_keeps_adamw_step_counters_on_cpu_like_a_gpu_run():
         == cpu["allocation.all.allocated"]
     )
     assert meta["allocated_bytes.all.peak"] + 16 == cpu["allocated_bytes.all.peak"]
+
+
+# -- adoption: tensors that existed before the tracker was entered -------------------------------------
+def test_adopt_counts_live_tensors_as_allocated_rounded_as_the_cuda_allocator_would():
+    with torch.device("meta"):
+        layer = torch.nn.Linear(100, 100)
+    with memlab.TensorTracker(adopt=True) as tracker:
+        stats = tracker.memory_stats("meta")
+        # weight 40 000 B -> 40 448 B, bias 400 B -> 512 B, in one 2 MiB small-pool segment
+        assert stats["allocated_bytes.all.current"] == 40_960
+        assert stats["requested_bytes.all.current"] == 40_400
+        assert stats["reserved_bytes.all.current"] == 2 * MiB
+        del layer
+        assert tracker.memory_stats("meta")["allocated_bytes.all.current"] == 0  # released as any other
+
+
+def test_adopted_storages_are_released_after_the_tracker_is_left():
+    with torch.device("meta"):
+        block = torch.empty(1000, dtype=torch.uint8)
+    tracker = memlab.TensorTracker(allocator=None)
+    with tracker:
+        assert tracker.adopt("meta") == (1, 1000)
+    del block
+    assert tracker.memory_stats("meta")["allocated_bytes.all.current"] == 0
+    assert tracker.memory_stats("meta")["allocated_bytes.all.freed"] == 1000
+
+
+def test_adopt_counts_a_shared_storage_once_and_finds_gradients_and_view_bases():
+    with torch.device("meta"):
+        weight = torch.nn.Parameter(torch.empty(256))
+        weight.grad = torch.empty(256)  # an existing .grad whose Python object was read
+        view = torch.empty(1024)[:10]  # only the view is referenced; its 4 KiB base is alive
+        alias = weight.detach()
+    tracker = memlab.TensorTracker(allocator=None)
+    with tracker:
+        assert tracker.adopt("meta") == (3, 1024 + 1024 + 4096)
+        assert tracker.adopt("meta") == (0, 0)  # idempotent: known storages are not adopted again
+    assert tracker.adoptions == [(3, 6144)]
+    del weight, view, alias
+
+
+def test_without_adopt_storages_that_existed_before_are_never_counted():
+    with torch.device("meta"):
+        block = torch.empty(1000, dtype=torch.uint8)
+    with memlab.TensorTracker(allocator=None) as tracker:
+        assert tracker.memory_allocated("meta") == 0
+    del block
+    assert tracker.memory_stats("meta")["allocated_bytes.all.freed"] == 0
+    assert tracker.adoptions == []
+
+
+def test_adopt_must_be_a_bool():
+    with pytest.raises(TypeError, match="adopt must be True or False, got str 'yes'"):
+        memlab.TensorTracker(adopt="yes")
+
+
+def test_entering_a_tracker_imports_what_the_first_op_would_so_no_line_pays_for_it(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, memlab\n"
+        "before = 'torch._dynamo' in sys.modules\n"
+        "with memlab.TensorTracker():\n"
+        "    print(before, 'torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout == "False True\n", result.stderr
