@@ -23,7 +23,14 @@ from memlab._devices import cuda_device_exists, parse_device, require_usable, wi
 from memlab._units import format_size
 from memlab.sources.base import MemorySource
 
-__all__ = ["SOURCE_FORMS", "Selection", "SourceSelector", "check_target", "describe_source"]
+__all__ = [
+    "SOURCE_FORMS",
+    "Selection",
+    "SourceSelector",
+    "check_target",
+    "describe_source",
+    "open_source",
+]
 
 Target = torch.device | str | int
 SOURCE_FORMS = "None or 'auto', 'cuda', 'tracker', or an object with memory_stats() and sampler()"
@@ -100,6 +107,18 @@ class Selection:
     def describe(self) -> str:
         """See :func:`describe_source` (read when asked: adoption counts grow between sessions)."""
         return describe_source(self.source, self.device, self.fallback)
+
+
+def open_source(device: torch.device) -> Any:
+    """The source already measuring ``device``, starting nothing: a
+    :class:`~memlab.sources.cuda.CudaSource` for a CUDA device that exists, else the active
+    :class:`~memlab.sources.tracker.TensorTracker`, else ``None`` (nothing measures it)."""
+    from memlab.sources.cuda import CudaSource
+    from memlab.sources.tracker import active_tracker
+
+    if cuda_device_exists(device):
+        return CudaSource(device)
+    return active_tracker()
 
 
 class SourceSelector:

@@ -1,0 +1,98 @@
+"""Which source measures a target, and the line that says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memlab
+from memlab.sources.cuda import CudaSource
+from memlab.sources.select import SourceSelector, check_target, describe_source, open_source
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+
+
+def test_the_cuda_source_says_it_measures_the_gpu():
+    assert describe_source(CudaSource(0), torch.device("cuda", 0)) == (
+        "measured on cuda:0 (torch.cuda.memory_stats)"
+    )
+
+
+def test_a_tracker_the_user_entered_says_what_it_does_not_count():
+    tracker = memlab.TensorTracker()
+    assert describe_source(tracker, torch.device("meta")) == (
+        "modelled: CUDA caching allocator replayed from meta tensors (memlab.TensorTracker); "
+        "tensors made before the tracker was entered are not counted"
+    )
+
+
+def test_an_exact_tracker_says_it_counts_exact_bytes():
+    tracker = memlab.TensorTracker(allocator=None)
+    assert describe_source(tracker, torch.device("cpu"), fallback=True) == (
+        "modelled (no CUDA GPU here): exact bytes of cpu tensors (memlab.TensorTracker(allocator=None)); "
+        "tensors made before the tracker was entered are not counted"
+    )
+
+
+def test_an_adopting_tracker_says_how_much_it_adopted_first_and_later():
+    tracker = memlab.TensorTracker(adopt=True)
+    tracker.adoptions = [(12, 5 * 1024 * 1024), (0, 0), (3, 1536)]
+    assert describe_source(tracker, torch.device("cpu")) == (
+        "modelled: CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); "
+        "12 tensor storages (5.00M) existed before profiling, 3 more were adopted at later calls"
+    )
+    tracker.adoptions = [(0, 0)]
+    assert describe_source(tracker, torch.device("cpu")).endswith("; no tensors existed before profiling")
+
+
+def test_another_source_is_named_by_its_class():
+    class Counter:
+        def memory_stats(self, device=None):
+            return {}
+
+        def sampler(self, keys, device=None):
+            return lambda: ()
+
+    assert describe_source(Counter(), torch.device("cpu")) == "read from Counter for cpu"
+
+
+@no_gpu
+def test_an_int_target_without_a_gpu_opens_an_adopting_tracker_on_the_default_device():
+    selector = SourceSelector()
+    selection = selector.open(check_target(0))
+    try:
+        assert isinstance(selection.source, memlab.TensorTracker) and selection.source.adopt_on_enter
+        assert selection.device == torch.device("cpu")
+        assert selection.describe().startswith("modelled (no CUDA GPU here): CUDA caching allocator")
+    finally:
+        selection.close()
+    again = selector.open(0)
+    assert again.source is selection.source  # kept between sessions
+    again.close()
+
+
+def test_an_entered_tracker_is_used_as_it_is():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        selection = SourceSelector("tracker").open(check_target("meta"))
+        assert selection.source is tracker and selection.device == torch.device("meta")
+        assert open_source(torch.device("meta")) is tracker
+    assert open_source(torch.device("meta")) is None
+
+
+@no_gpu
+def test_a_named_gpu_that_does_not_exist_is_rejected_early():
+    with pytest.raises(ValueError) as error:
+        check_target("cuda:1", name="-g")
+    assert (
+        str(error.value)
+        == "-g cuda:1: no such GPU (this machine has no CUDA GPU); use 'cpu' or 'meta' to model one"
+    )
+
+
+def test_an_unknown_source_lists_the_valid_ones():
+    with pytest.raises(ValueError) as error:
+        SourceSelector("gpu")
+    assert str(error.value) == (
+        "source must be None or 'auto', 'cuda', 'tracker', or an object with memory_stats() and sampler(); "
+        "got 'gpu'"
+    )
