@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from memlab import STAT_KEYS
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator, format_cuda_size
-from memlab.sources.allocator_config import round_size
+from memlab.sources.allocator.config import round_size
 
 KiB = 1024
 MiB = 1024 * 1024

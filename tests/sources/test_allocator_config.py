@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memlab.sources.allocator_config import (
+from memlab.sources.allocator.config import (
     UNLIMITED,
     AllocatorConfig,
     allocation_size,

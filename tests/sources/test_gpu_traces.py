@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from memlab.sources.allocator import CachingAllocatorModel
-from memlab.sources.allocator_config import allocation_size, pool_name, round_size
+from memlab.sources.allocator.config import allocation_size, pool_name, round_size
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "gpu-traces" / "traces.json"
 MiB = 1024 * 1024

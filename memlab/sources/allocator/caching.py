@@ -1,11 +1,11 @@
-"""A model of PyTorch's CUDA caching allocator, and an exact-bytes sibling, for machines without a GPU.
+"""A model of PyTorch's CUDA caching allocator (native backend) for machines without a GPU.
 
 :class:`CachingAllocatorModel` replays ``malloc``/``free`` with the rules of
 ``c10/cuda/CUDACachingAllocator.cpp`` (rounding, small/large pools, best fit, splitting, merging,
 segments, the retry path and the OOM error) and keeps the statistics ``torch.cuda.memory_stats()``
-reports. :class:`ExactAllocator` counts exact bytes: reserved == allocated == requested.
+reports.
 
-What neither model can see: streams (one stream is modelled, so ``active`` always equals
+What it cannot see: streams (one stream is modelled, so ``active`` always equals
 ``allocation``), CUDA events, CUDA graphs and private pools, kernel workspaces (cuBLAS, cuDNN),
 the CUDA context, NCCL buffers, memory used by other processes or fragmentation they cause, and
 the driver's own allocation granularity. Segment addresses are invented (segments are laid out in
@@ -18,7 +18,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any
 
-from memlab.sources.allocator_blocks import (
+from memlab.sources.allocator.blocks import (
     KEY_SHIFT,
     ONE_EXABYTE,
     AllocatorBase,
@@ -28,11 +28,9 @@ from memlab.sources.allocator_blocks import (
     change_pair,
     change_split,
     check_nbytes,
-    format_cuda_size,
     huge_request,
-    oom_message,
 )
-from memlab.sources.allocator_config import (
+from memlab.sources.allocator.config import (
     K_MIN_BLOCK_SIZE,
     K_SMALL_SIZE,
     UNLIMITED,
@@ -41,11 +39,10 @@ from memlab.sources.allocator_config import (
     parse_alloc_conf,
     round_size,
 )
-from memlab.sources.allocator_exact import ExactAllocator
-from memlab.sources.allocator_expandable import ExpandableSegments
+from memlab.sources.allocator.expandable import ExpandableSegments
 from memlab.sources.stats import decrease, increase
 
-__all__ = ["CachingAllocatorModel", "ExactAllocator", "format_cuda_size", "oom_message"]
+__all__ = ["CachingAllocatorModel"]
 
 
 class CachingAllocatorModel(AllocatorBase):
@@ -63,7 +60,7 @@ class CachingAllocatorModel(AllocatorBase):
     ``max_split_size_mb``), then free every unsplit cached segment and count
     ``num_alloc_retries``, then raise ``torch.OutOfMemoryError`` with PyTorch's message and count
     ``num_ooms``. ``expandable_segments:True`` switches to the model in
-    :mod:`memlab.sources.allocator_expandable`.
+    :mod:`memlab.sources.allocator.expandable`.
 
     Not modelled: streams and events (``active == allocation`` always), CUDA graphs and private
     pools, memory fractions and garbage collection (which needs one), free-memory callbacks,

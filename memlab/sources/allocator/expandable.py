@@ -20,11 +20,11 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
-from memlab.sources.allocator_blocks import KEY_SHIFT, Block, BlockPool, block_info, change_pair
-from memlab.sources.allocator_config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, allocation_size
+from memlab.sources.allocator.blocks import KEY_SHIFT, Block, BlockPool, block_info, change_pair
+from memlab.sources.allocator.config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, allocation_size
 
 if TYPE_CHECKING:
-    from memlab.sources.allocator import CachingAllocatorModel
+    from memlab.sources.allocator.caching import CachingAllocatorModel
 
 __all__ = ["ExpandableSegments"]
 
