@@ -8,8 +8,8 @@ arithmetic and ``PYTORCH_CUDA_ALLOC_CONF``, and :mod:`.messages` PyTorch's out-o
 
 from __future__ import annotations
 
-from memlab.sources.allocator.blocks import format_cuda_size, oom_message
 from memlab.sources.allocator.caching import CachingAllocatorModel
 from memlab.sources.allocator.exact import ExactAllocator
+from memlab.sources.allocator.messages import format_cuda_size, oom_message
 
 __all__ = ["CachingAllocatorModel", "ExactAllocator", "format_cuda_size", "oom_message"]

@@ -28,7 +28,6 @@ from memlab.sources.allocator.blocks import (
     change_pair,
     change_split,
     check_nbytes,
-    huge_request,
 )
 from memlab.sources.allocator.config import (
     K_MIN_BLOCK_SIZE,
@@ -40,6 +39,7 @@ from memlab.sources.allocator.config import (
     round_size,
 )
 from memlab.sources.allocator.expandable import ExpandableSegments
+from memlab.sources.allocator.messages import huge_request
 from memlab.sources.stats import decrease, increase
 
 __all__ = ["CachingAllocatorModel"]

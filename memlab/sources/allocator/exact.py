@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from memlab.sources.allocator.blocks import ONE_EXABYTE, AllocatorBase, check_nbytes, huge_request
+from memlab.sources.allocator.blocks import ONE_EXABYTE, AllocatorBase, check_nbytes
 from memlab.sources.allocator.config import K_SMALL_SIZE
+from memlab.sources.allocator.messages import huge_request
 
 __all__ = ["ExactAllocator"]
 
