@@ -44,6 +44,8 @@ from memlab.sources.stats import decrease, increase
 
 __all__ = ["CachingAllocatorModel"]
 
+_FIRST_ADDRESS = 0x7F0000000000  # where the first invented segment (or expandable range) starts
+
 
 class CachingAllocatorModel(AllocatorBase):
     """PyTorch's CUDA caching allocator (native backend, one device, one stream), replayed in Python.
@@ -78,8 +80,12 @@ class CachingAllocatorModel(AllocatorBase):
         self._large = BlockPool(self.table, small=False)
         self._oversize_allocations = self.table.stats["oversize_allocations"]
         self._oversize_segments = self.table.stats["oversize_segments"]
-        self._next_addr = 0x7F0000000000  # where the first invented segment starts
-        self._expandable = ExpandableSegments(self) if self.config.expandable_segments else None
+        self._next_addr = _FIRST_ADDRESS
+        self._expandable: ExpandableSegments | None = None
+        if self.config.expandable_segments:
+            self._expandable = ExpandableSegments(
+                self.table, self._small, self._large, self.config, self.capacity, base_address=_FIRST_ADDRESS
+            )
 
     # -- the hot path -------------------------------------------------------------------------
     # malloc and free update their statistics unrolled, with literal indices into the stat lists
@@ -108,8 +114,12 @@ class CachingAllocatorModel(AllocatorBase):
             size = round_size(nbytes, self.config)
         pool = self._small if size <= K_SMALL_SIZE else self._large
         max_split = self._max_split
-        if self._expandable is not None:
-            block = self._expandable.take_block(pool, size)
+        expandable = self._expandable
+        if expandable is not None:
+            block = expandable.get_free_block(pool, size)
+            if block is None:
+                block = self._alloc_block(pool, size)
+            block = expandable.split(block, size)
         else:
             keys = pool.keys
             i = bisect_left(keys, size << KEY_SHIFT)
@@ -341,19 +351,25 @@ class CachingAllocatorModel(AllocatorBase):
         self.table.counters["num_device_alloc"] += 1
         return Block(addr, alloc_size, pool)
 
+    def _new_block(self, pool: BlockPool, size: int) -> Block | None:
+        """A free block of new device memory for ``size`` rounded bytes (a segment, or mapped pages
+        of an expandable segment), or ``None`` if the device cannot hold it."""
+        if self._expandable is not None:
+            return self._expandable.try_allocate(pool, size)
+        return self._cuda_malloc(pool, allocation_size(size))
+
     def _alloc_block(self, pool: BlockPool, size: int) -> Block:
         """``alloc_block`` with PyTorch's fallbacks: free enough oversize cached blocks, then all
         unsplit cached segments (a retry), then raise ``torch.OutOfMemoryError``."""
-        alloc_size = allocation_size(size)
-        block = self._cuda_malloc(pool, alloc_size)
+        block = self._new_block(pool, size)
         if block is None and self._release_available_cached_blocks(pool, size):
-            block = self._cuda_malloc(pool, alloc_size)
+            block = self._new_block(pool, size)
         if block is None:
             self._release_cached_blocks()
             self.table.counters["num_alloc_retries"] += 1
-            block = self._cuda_malloc(pool, alloc_size)
+            block = self._new_block(pool, size)
         if block is None:
-            raise self._oom(alloc_size)
+            raise self._oom(allocation_size(size))
         return block
 
     def _release_block(self, block: Block) -> None:
@@ -367,9 +383,10 @@ class CachingAllocatorModel(AllocatorBase):
 
     def _release_available_cached_blocks(self, pool: BlockPool, size: int) -> bool:
         """Free the smallest oversize cached segment that covers the request, or several of the
-        largest ones until enough is freed (only with ``max_split_size_mb``)."""
+        largest ones until enough is freed (only with ``max_split_size_mb``; never for expandable
+        segments, whose blocks cannot be freed one by one)."""
         max_split = self._max_split
-        if max_split == UNLIMITED:
+        if max_split == UNLIMITED or self._expandable is not None:
             return False
         target = max(size, max_split)
         keys = pool.keys
@@ -419,7 +436,7 @@ class CachingAllocatorModel(AllocatorBase):
         ``allocated`` (bool) and ``state`` (``"active_allocated"`` or ``"inactive"``).
         """
         if self._expandable is not None:
-            return self._expandable.snapshot()
+            return self._expandable.snapshot(self._live.values())
         blocks = list(self._live.values())
         for pool in (self._small, self._large):
             blocks.extend(pool.blocks)

@@ -18,13 +18,12 @@ segment only when that range is too fragmented); with ``max_split_size_mb`` the 
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 from memlab.sources.allocator.blocks import KEY_SHIFT, Block, BlockPool, block_info, change_pair
-from memlab.sources.allocator.config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, allocation_size
-
-if TYPE_CHECKING:
-    from memlab.sources.allocator.caching import CachingAllocatorModel
+from memlab.sources.allocator.config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, AllocatorConfig
+from memlab.sources.stats import StatTable
 
 __all__ = ["ExpandableSegments"]
 
@@ -64,27 +63,39 @@ def _expandable_size(block: Block) -> int:
 
 
 class ExpandableSegments:
-    """The expandable-segment half of a :class:`CachingAllocatorModel` (see the module docstring)."""
+    """The expandable-segment half of a ``CachingAllocatorModel`` (see the module docstring).
 
-    def __init__(self, model: CachingAllocatorModel) -> None:
-        self.model = model
+    It shares the model's statistics ``table`` (``reserved_bytes``, ``num_device_alloc`` and
+    ``num_device_free`` change as pages are mapped and unmapped), its two pools of free blocks,
+    its ``config`` (``max_split_size``) and ``capacity`` (bytes, ``None`` for unlimited). Address
+    ranges are laid out from ``base_address`` on. The model keeps the allocated blocks and the
+    retry path; this object finds, maps, splits, merges and unmaps blocks.
+    """
+
+    def __init__(
+        self,
+        table: StatTable,
+        small: BlockPool,
+        large: BlockPool,
+        config: AllocatorConfig,
+        capacity: int | None,
+        base_address: int,
+    ) -> None:
         self.segments: dict[BlockPool, _Segment] = {}
+        self._counters = table.counters
+        self._reserved_all = table.stats["reserved_bytes.all"]
+        self._pools = (large, small)  # the order in which release() unmaps
+        self._config = config
+        self._capacity = capacity
+        self._next_base = base_address
         self._bases: dict[BlockPool, int] = {}  # a pool's address range, reused when it is recreated
 
     # -- malloc ------------------------------------------------------------------------------------
 
-    def take_block(self, pool: BlockPool, size: int) -> Block:
-        """A block of ``size`` rounded bytes, marked neither allocated nor counted yet: the best
-        fitting free block, or freshly mapped pages; split when at least 512 B remain."""
-        block = self._get_free_block(pool, size)
-        if block is None:
-            block = self._try_allocate(pool, size)
-            if block is None:
-                self.model._release_cached_blocks()
-                self.model.table.counters["num_alloc_retries"] += 1
-                block = self._try_allocate(pool, size)
-            if block is None:
-                raise self.model._oom(allocation_size(size))
+    def split(self, block: Block, size: int) -> Block:
+        """The first ``size`` rounded bytes of ``block``, the rest cached as a free block when at
+        least 512 B remain (in both pools). Neither is marked allocated nor counted."""
+        pool = block.pool
         remaining = block.size - size
         if remaining >= K_MIN_BLOCK_SIZE:
             rest = block
@@ -99,7 +110,9 @@ class ExpandableSegments:
             pool.insert(rest)
         return block
 
-    def _get_free_block(self, pool: BlockPool, size: int) -> Block | None:
+    def get_free_block(self, pool: BlockPool, size: int) -> Block | None:
+        """The best fitting cached block for ``size`` rounded bytes, taken out of ``pool``; ``None``
+        when no block fits or only an oversize one would (``max_split_size``)."""
         keys = pool.keys
         blocks = pool.blocks
         i = bisect_left(keys, size << KEY_SHIFT)
@@ -109,7 +122,7 @@ class ExpandableSegments:
         while i + 1 < len(keys) and _expandable_size(blocks[i + 1]) < _expandable_size(blocks[i]):
             i += 1
         block = blocks[i]
-        config = self.model.config
+        config = self._config
         max_split = config.max_split_size
         if (size < max_split <= block.size) or (
             size >= max_split and block.size >= size + config.max_non_split_rounding_size
@@ -122,11 +135,10 @@ class ExpandableSegments:
     def _segment(self, pool: BlockPool) -> _Segment:
         segment = self.segments.get(pool)
         if segment is None:
-            model = self.model
             base = self._bases.get(pool)
             if base is None:
-                base = self._bases[pool] = model._next_addr
-                model._next_addr += _ADDRESS_SPACE
+                base = self._bases[pool] = self._next_base
+                self._next_base += _ADDRESS_SPACE
             segment = _Segment(base, K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER)
             whole = Block(segment.base, segment.end - segment.base, pool)
             whole.mapped = False
@@ -134,8 +146,10 @@ class ExpandableSegments:
             self.segments[pool] = segment
         return segment
 
-    def _try_allocate(self, pool: BlockPool, size: int) -> Block | None:
-        """``try_allocate_expandable_block``: map pages at the lowest address where ``size`` fits."""
+    def try_allocate(self, pool: BlockPool, size: int) -> Block | None:
+        """``try_allocate_expandable_block``: map pages at the lowest address where ``size`` rounded
+        bytes fit and return that free block, taken out of ``pool``; ``None`` when the pages would
+        exceed ``capacity``."""
         segment = self._segment(pool)
         candidate = self._find_expandable_block(segment, size)
         if not candidate.mapped and not self._map_block(pool, segment, candidate, min(candidate.size, size)):
@@ -166,9 +180,8 @@ class ExpandableSegments:
     def _map_block(self, pool: BlockPool, segment: _Segment, to_map: Block, size: int) -> bool:
         page = segment.page
         mapped = -(-size // page) * page
-        model = self.model
-        capacity = model.capacity
-        if capacity is not None and model.table.stats["reserved_bytes.all"][0] + mapped > capacity:
+        capacity = self._capacity
+        if capacity is not None and self._reserved_all[0] + mapped > capacity:
             return False
         segment.remove_unmapped(to_map)
         to_map.mapped = True
@@ -185,7 +198,7 @@ class ExpandableSegments:
         self._merge_free_neighbours(to_map)
         pool.insert(to_map)
         change_pair(pool.reserved_bytes, mapped)
-        model.table.counters["num_device_alloc"] += 1
+        self._counters["num_device_alloc"] += 1
         return True
 
     # -- free -----------------------------------------------------------------------------------------
@@ -219,8 +232,7 @@ class ExpandableSegments:
     def release(self) -> None:
         """``release_blocks`` for expandable segments: unmap every whole free page (large pool
         first); a segment left with no mapped page is dropped."""
-        model = self.model
-        for pool in (model._large, model._small):
+        for pool in self._pools:
             segment = self.segments.get(pool)
             if segment is None:
                 continue
@@ -273,16 +285,17 @@ class ExpandableSegments:
                 block.size += neighbour.size
         segment.add_unmapped(block)
         change_pair(pool.reserved_bytes, -(stop - start))
-        self.model.table.counters["num_device_free"] += 1
+        self._counters["num_device_free"] += 1
 
     # -- inspection ---------------------------------------------------------------------------------------
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """One reported segment per contiguous mapped range, as ``torch.cuda.memory_snapshot()`` does."""
-        model = self.model
+    def snapshot(self, allocated: Iterable[Block]) -> list[dict[str, Any]]:
+        """One reported segment per contiguous mapped range, as ``torch.cuda.memory_snapshot()`` does;
+        ``allocated`` are the model's allocated blocks."""
+        allocated = list(allocated)
         result = []
         for pool, segment in self.segments.items():
-            live = [b for b in model._live.values() if b.pool is pool]
+            live = [b for b in allocated if b.pool is pool]
             head = min(live + pool.blocks + segment.unmapped, key=lambda b: b.addr)
             block: Block | None = head
             current: dict[str, Any] | None = None
