@@ -8,6 +8,8 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -22,10 +24,10 @@ __all__ = [
     "AllocatorBase",
     "Block",
     "BlockPool",
-    "block_info",
     "change_pair",
     "change_split",
     "check_nbytes",
+    "snapshot_segments",
 ]
 
 ONE_EXABYTE = 1_152_921_504_606_846_976
@@ -182,8 +184,46 @@ def change_split(split: tuple[list[int], ...], blocks: int, nbytes: int) -> None
             decrease(stat, -amount)
 
 
-def block_info(block: Block) -> dict[str, Any]:
-    """A block as a snapshot entry: address, granted size, requested size (0 when free), state."""
+def snapshot_segments(blocks: Iterable[Block], expandable: bool = False) -> list[dict[str, Any]]:
+    """The segments of ``torch.cuda.memory_snapshot()`` for a model's blocks, sorted by address.
+
+    ``blocks`` must hold every block of every segment: allocated, cached and (for expandable
+    segments) unmapped. Each chain of linked blocks is one segment; with ``expandable`` each
+    contiguous mapped run of a chain is reported as one segment, as PyTorch does. Each segment:
+    ``address``, ``total_size``, ``allocated_size``, ``requested_size``, ``segment_type``
+    (``"small"``/``"large"``), ``is_expandable`` and ``blocks``; each block: ``address``, ``size``
+    (granted bytes), ``requested_size`` (0 for a free block), ``allocated`` (bool) and ``state``
+    (``"active_allocated"`` or ``"inactive"``). Sizes are bytes.
+    """
+    segments = []
+    for head in sorted((b for b in blocks if b.prev is None), key=operator.attrgetter("addr")):
+        for mapped, run in groupby(_chain(head), key=operator.attrgetter("mapped")):
+            if mapped:
+                segments.append(_segment_info(list(run), expandable))
+    return segments
+
+
+def _chain(head: Block) -> Iterator[Block]:
+    block: Block | None = head
+    while block is not None:
+        yield block
+        block = block.next
+
+
+def _segment_info(blocks: list[Block], expandable: bool) -> dict[str, Any]:
+    allocated = [b for b in blocks if b.allocated]
+    return {
+        "address": blocks[0].addr,
+        "total_size": sum(b.size for b in blocks),
+        "allocated_size": sum(b.size for b in allocated),
+        "requested_size": sum(b.requested for b in allocated),
+        "segment_type": "small" if blocks[0].pool.small else "large",
+        "is_expandable": expandable,
+        "blocks": [_block_info(b) for b in blocks],
+    }
+
+
+def _block_info(block: Block) -> dict[str, Any]:
     return {
         "address": block.addr,
         "size": block.size,

@@ -24,10 +24,10 @@ from memlab.sources.allocator.blocks import (
     AllocatorBase,
     Block,
     BlockPool,
-    block_info,
     change_pair,
     change_split,
     check_nbytes,
+    snapshot_segments,
 )
 from memlab.sources.allocator.config import (
     K_MIN_BLOCK_SIZE,
@@ -427,37 +427,12 @@ class CachingAllocatorModel(AllocatorBase):
         self._release_cached_blocks()
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Segments and their blocks, sorted by (invented) address, in the spirit of
-        ``torch.cuda.memory_snapshot()``.
+        """Segments and their blocks, sorted by (invented) address, in the format of
+        ``torch.cuda.memory_snapshot()`` (see :func:`~memlab.sources.allocator.blocks.snapshot_segments`).
 
-        Each segment: ``address``, ``total_size``, ``allocated_size``, ``requested_size``,
-        ``segment_type`` (``"small"``/``"large"``), ``is_expandable`` and ``blocks``; each block:
-        ``address``, ``size`` (granted bytes), ``requested_size`` (0 for a free block),
-        ``allocated`` (bool) and ``state`` (``"active_allocated"`` or ``"inactive"``).
+        With ``expandable_segments`` each contiguous mapped range is reported as one segment.
         """
-        if self._expandable is not None:
-            return self._expandable.snapshot(self._live.values())
-        blocks = list(self._live.values())
-        for pool in (self._small, self._large):
-            blocks.extend(pool.blocks)
-        segments = []
-        for head in sorted((b for b in blocks if b.prev is None), key=lambda b: b.addr):
-            segment = {
-                "address": head.addr,
-                "total_size": 0,
-                "allocated_size": 0,
-                "requested_size": 0,
-                "segment_type": "small" if head.pool.small else "large",
-                "is_expandable": False,
-                "blocks": [],
-            }
-            block: Block | None = head
-            while block is not None:
-                segment["blocks"].append(block_info(block))
-                segment["total_size"] += block.size
-                if block.allocated:
-                    segment["allocated_size"] += block.size
-                    segment["requested_size"] += block.requested
-                block = block.next
-            segments.append(segment)
-        return segments
+        blocks = [*self._live.values(), *self._small.blocks, *self._large.blocks]
+        if self._expandable is None:
+            return snapshot_segments(blocks)
+        return snapshot_segments(blocks + self._expandable.unmapped_blocks(), expandable=True)

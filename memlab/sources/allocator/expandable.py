@@ -18,10 +18,8 @@ segment only when that range is too fragmented); with ``max_split_size_mb`` the 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
-from typing import Any
 
-from memlab.sources.allocator.blocks import KEY_SHIFT, Block, BlockPool, block_info, change_pair
+from memlab.sources.allocator.blocks import KEY_SHIFT, Block, BlockPool, change_pair
 from memlab.sources.allocator.config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, AllocatorConfig
 from memlab.sources.stats import StatTable
 
@@ -289,35 +287,8 @@ class ExpandableSegments:
 
     # -- inspection ---------------------------------------------------------------------------------------
 
-    def snapshot(self, allocated: Iterable[Block]) -> list[dict[str, Any]]:
-        """One reported segment per contiguous mapped range, as ``torch.cuda.memory_snapshot()`` does;
-        ``allocated`` are the model's allocated blocks."""
-        allocated = list(allocated)
-        result = []
-        for pool, segment in self.segments.items():
-            live = [b for b in allocated if b.pool is pool]
-            head = min(live + pool.blocks + segment.unmapped, key=lambda b: b.addr)
-            block: Block | None = head
-            current: dict[str, Any] | None = None
-            while block is not None:
-                if not block.mapped:
-                    current = None
-                else:
-                    if current is None:
-                        current = {
-                            "address": block.addr,
-                            "total_size": 0,
-                            "allocated_size": 0,
-                            "requested_size": 0,
-                            "segment_type": "small" if pool.small else "large",
-                            "is_expandable": True,
-                            "blocks": [],
-                        }
-                        result.append(current)
-                    current["blocks"].append(block_info(block))
-                    current["total_size"] += block.size
-                    if block.allocated:
-                        current["allocated_size"] += block.size
-                        current["requested_size"] += block.requested
-                block = block.next
-        return sorted(result, key=lambda s: s["address"])
+    def unmapped_blocks(self) -> list[Block]:
+        """The unmapped address ranges of every expandable segment, as blocks with ``mapped`` False
+        (what :func:`~memlab.sources.allocator.blocks.snapshot_segments` needs besides the model's
+        allocated and cached blocks)."""
+        return [block for segment in self.segments.values() for block in segment.unmapped]
