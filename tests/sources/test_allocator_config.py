@@ -131,6 +131,21 @@ def test_options_without_effect_on_device_memory_are_accepted():
     assert config == AllocatorConfig(source="release_lock_on_cudamalloc:True,pinned_num_register_threads:8")
 
 
+@pytest.mark.parametrize("threads", [1, 2, 64, 128])
+def test_pinned_num_register_threads_accepts_powers_of_2_up_to_128(threads):
+    text = f"pinned_num_register_threads:{threads}"
+    assert parse_alloc_conf(text) == AllocatorConfig(source=text)
+
+
+@pytest.mark.parametrize("threads", [0, 3, 96, 256])
+def test_pinned_num_register_threads_rejects_what_pytorch_rejects(threads):
+    with pytest.raises(
+        ValueError,
+        match=f"pinned_num_register_threads must be a power of 2 from 1 to 128, got '{threads}'",
+    ):
+        parse_alloc_conf(f"pinned_num_register_threads:{threads}")
+
+
 def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(
         ValueError, match=r"unknown option 'max_split_mb'; valid options are: .*max_split_size_mb"
