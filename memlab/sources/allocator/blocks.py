@@ -97,7 +97,11 @@ class AllocatorBase:
 
 
 class Block:
-    """A contiguous range of a segment: allocated to a handle, or free and cached in its pool."""
+    """A contiguous range of a segment: allocated to a handle, or free and cached in its pool.
+
+    The blocks of a segment form a doubly linked chain in address order. The caching model's
+    malloc/free relink blocks inline (they are the hot path); everything else uses the methods.
+    """
 
     __slots__ = ("addr", "allocated", "mapped", "next", "pool", "prev", "requested", "size")
 
@@ -110,6 +114,35 @@ class Block:
         self.prev: Block | None = None
         self.next: Block | None = None
         self.pool = pool
+
+    def link_before(self, new: Block) -> None:
+        """Put ``new`` into the chain right before this block."""
+        new.prev = prev = self.prev
+        if prev is not None:
+            prev.next = new
+        new.next = self
+        self.prev = new
+
+    def link_after(self, new: Block) -> None:
+        """Put ``new`` into the chain right after this block."""
+        new.next = nxt = self.next
+        if nxt is not None:
+            nxt.prev = new
+        new.prev = self
+        self.next = new
+
+    def absorb(self, neighbour: Block) -> None:
+        """Grow over ``neighbour`` (this block's ``prev`` or ``next``), taking it out of the chain."""
+        if neighbour is self.prev:
+            self.addr = neighbour.addr
+            self.prev = prev = neighbour.prev
+            if prev is not None:
+                prev.next = self
+        else:
+            self.next = nxt = neighbour.next
+            if nxt is not None:
+                nxt.prev = self
+        self.size += neighbour.size
 
 
 class BlockPool:

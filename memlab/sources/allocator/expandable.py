@@ -98,11 +98,7 @@ class ExpandableSegments:
         if remaining >= K_MIN_BLOCK_SIZE:
             rest = block
             block = Block(rest.addr, size, pool)
-            block.prev = rest.prev
-            if block.prev is not None:
-                block.prev.next = block
-            block.next = rest
-            rest.prev = block
+            rest.link_before(block)
             rest.addr += size
             rest.size = remaining
             pool.insert(rest)
@@ -186,11 +182,7 @@ class ExpandableSegments:
         if mapped < to_map.size:
             rest = Block(to_map.addr + mapped, to_map.size - mapped, pool)
             rest.mapped = False
-            rest.prev = to_map
-            rest.next = to_map.next
-            if rest.next is not None:
-                rest.next.prev = rest
-            to_map.next = rest
+            to_map.link_after(rest)
             to_map.size = mapped
             segment.add_unmapped(rest)
         self._merge_free_neighbours(to_map)
@@ -208,22 +200,10 @@ class ExpandableSegments:
 
     @staticmethod
     def _merge_free_neighbours(block: Block) -> None:
-        pool = block.pool
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.mapped:
-            pool.remove(prev)
-            block.addr = prev.addr
-            block.size += prev.size
-            block.prev = prev.prev
-            if block.prev is not None:
-                block.prev.next = block
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.mapped:
-            pool.remove(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if block.next is not None:
-                block.next.prev = block
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated and neighbour.mapped:
+                block.pool.remove(neighbour)
+                block.absorb(neighbour)
 
     # -- giving memory back -----------------------------------------------------------------------------
 
@@ -250,20 +230,12 @@ class ExpandableSegments:
         pool.remove(block)
         if start > block.addr:
             before = Block(block.addr, start - block.addr, pool)
-            before.prev = block.prev
-            if before.prev is not None:
-                before.prev.next = before
-            before.next = block
-            block.prev = before
+            block.link_before(before)
             pool.insert(before)
         end = block.addr + block.size
         if end > stop:
             after = Block(stop, end - stop, pool)
-            after.next = block.next
-            if after.next is not None:
-                after.next.prev = after
-            after.prev = block
-            block.next = after
+            block.link_after(after)
             pool.insert(after)
         block.addr = start
         block.size = stop - start
@@ -271,16 +243,7 @@ class ExpandableSegments:
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.mapped:
                 segment.remove_unmapped(neighbour)
-                if neighbour is block.prev:
-                    block.addr = neighbour.addr
-                    block.prev = neighbour.prev
-                    if block.prev is not None:
-                        block.prev.next = block
-                else:
-                    block.next = neighbour.next
-                    if block.next is not None:
-                        block.next.prev = block
-                block.size += neighbour.size
+                block.absorb(neighbour)
         segment.add_unmapped(block)
         change_pair(pool.reserved_bytes, -(stop - start))
         self._counters["num_device_free"] += 1
