@@ -210,11 +210,8 @@ def change_pair(stats: tuple[list[int], list[int]], amount: int) -> None:
 
 def change_split(split: tuple[list[int], ...], blocks: int, nbytes: int) -> None:
     """Apply free_block's net changes to ``inactive_split`` and ``inactive_split_bytes`` (all, pool)."""
-    for stat, amount in ((split[0], blocks), (split[1], blocks), (split[2], nbytes), (split[3], nbytes)):
-        if amount > 0:
-            increase(stat, amount)
-        elif amount < 0:
-            decrease(stat, -amount)
+    change_pair((split[0], split[1]), blocks)
+    change_pair((split[2], split[3]), nbytes)
 
 
 def snapshot_segments(blocks: Iterable[Block], expandable: bool = False) -> list[dict[str, Any]]:
