@@ -1,6 +1,7 @@
-"""Building blocks shared by memlab's allocator models: blocks, pools, handles and input checks.
+"""Building blocks shared by memlab's allocator models: blocks, pools, handles, input checks and
+the one builder of ``torch.cuda.memory_snapshot()`` segment dicts.
 
-Internal to :mod:`memlab.sources.allocator`; the public names are re-exported there.
+Internal to :mod:`memlab.sources.allocator`, whose ``__init__`` re-exports the public API.
 """
 
 from __future__ import annotations
