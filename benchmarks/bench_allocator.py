@@ -3,7 +3,7 @@
 Two realistic traces, each replayed through a fresh ``CachingAllocatorModel`` several times:
 
 * ``eor_nn``: the 1,935 allocations / 1,926 frees recorded on a real GPU
-  (``../shared/gpu-traces/traces.json``), replayed back to back (live blocks freed between rounds);
+  (``tests/data/gpu-traces/traces.json``), replayed back to back (live blocks freed between rounds);
 * ``training``: a synthetic training-step pattern (parameters kept for the whole run; per step,
   activations allocated layer by layer and freed in reverse during backward, gradients, small
   temporaries freed at once, optimizer state touched), mixing small-pool and large-pool sizes.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "gpu-traces" / "traces.json"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpu-traces" / "traces.json"
 
 
 def eor_nn_events() -> list[tuple[str, int, int]]:

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memlab.reporter_snapshot import TensorRecord
-from memlab.sources.allocator_config import round_size
+from memlab.sources.allocator.config import round_size
 
 __all__ = ["DenseTensors", "RecordBuilder", "build_records", "cuda_block_bytes"]
 

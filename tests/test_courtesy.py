@@ -73,8 +73,8 @@ def test_tracked_memory_returns_exactly_in_a_process_where_the_tracker_saw_every
     script = textwrap.dedent(
         f"""
         import gc, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_courtesy import _model_and_optimizer, _train_step
+        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        from tests.test_courtesy import _model_and_optimizer, _train_step
         from memlab import Courtesy, TensorTracker
 
         with TensorTracker(allocator=None) as tracker:

@@ -1,11 +1,11 @@
-"""A model of PyTorch's CUDA caching allocator, and an exact-bytes sibling, for machines without a GPU.
+"""A model of PyTorch's CUDA caching allocator (native backend) for machines without a GPU.
 
 :class:`CachingAllocatorModel` replays ``malloc``/``free`` with the rules of
 ``c10/cuda/CUDACachingAllocator.cpp`` (rounding, small/large pools, best fit, splitting, merging,
 segments, the retry path and the OOM error) and keeps the statistics ``torch.cuda.memory_stats()``
-reports. :class:`ExactAllocator` counts exact bytes: reserved == allocated == requested.
+reports.
 
-What neither model can see: streams (one stream is modelled, so ``active`` always equals
+What it cannot see: streams (one stream is modelled, so ``active`` always equals
 ``allocation``), CUDA events, CUDA graphs and private pools, kernel workspaces (cuBLAS, cuDNN),
 the CUDA context, NCCL buffers, memory used by other processes or fragmentation they cause, and
 the driver's own allocation granularity. Segment addresses are invented (segments are laid out in
@@ -18,21 +18,18 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any
 
-from memlab.sources.allocator_blocks import (
+from memlab.sources.allocator.blocks import (
     KEY_SHIFT,
     ONE_EXABYTE,
     AllocatorBase,
     Block,
     BlockPool,
-    block_info,
     change_pair,
     change_split,
     check_nbytes,
-    format_cuda_size,
-    huge_request,
-    oom_message,
+    snapshot_segments,
 )
-from memlab.sources.allocator_config import (
+from memlab.sources.allocator.config import (
     K_MIN_BLOCK_SIZE,
     K_SMALL_SIZE,
     UNLIMITED,
@@ -41,11 +38,13 @@ from memlab.sources.allocator_config import (
     parse_alloc_conf,
     round_size,
 )
-from memlab.sources.allocator_exact import ExactAllocator
-from memlab.sources.allocator_expandable import ExpandableSegments
+from memlab.sources.allocator.expandable import ExpandableSegments
+from memlab.sources.allocator.messages import huge_request
 from memlab.sources.stats import decrease, increase
 
-__all__ = ["CachingAllocatorModel", "ExactAllocator", "format_cuda_size", "oom_message"]
+__all__ = ["CachingAllocatorModel"]
+
+_FIRST_ADDRESS = 0x7F0000000000  # where the first invented segment (or expandable range) starts
 
 
 class CachingAllocatorModel(AllocatorBase):
@@ -63,7 +62,7 @@ class CachingAllocatorModel(AllocatorBase):
     ``max_split_size_mb``), then free every unsplit cached segment and count
     ``num_alloc_retries``, then raise ``torch.OutOfMemoryError`` with PyTorch's message and count
     ``num_ooms``. ``expandable_segments:True`` switches to the model in
-    :mod:`memlab.sources.allocator_expandable`.
+    :mod:`memlab.sources.allocator.expandable`.
 
     Not modelled: streams and events (``active == allocation`` always), CUDA graphs and private
     pools, memory fractions and garbage collection (which needs one), free-memory callbacks,
@@ -81,8 +80,12 @@ class CachingAllocatorModel(AllocatorBase):
         self._large = BlockPool(self.table, small=False)
         self._oversize_allocations = self.table.stats["oversize_allocations"]
         self._oversize_segments = self.table.stats["oversize_segments"]
-        self._next_addr = 0x7F0000000000  # where the first invented segment starts
-        self._expandable = ExpandableSegments(self) if self.config.expandable_segments else None
+        self._next_addr = _FIRST_ADDRESS
+        self._expandable: ExpandableSegments | None = None
+        if self.config.expandable_segments:
+            self._expandable = ExpandableSegments(
+                self.table, self._small, self._large, self.config, self.capacity, base_address=_FIRST_ADDRESS
+            )
 
     # -- the hot path -------------------------------------------------------------------------
     # malloc and free update their statistics unrolled, with literal indices into the stat lists
@@ -111,8 +114,12 @@ class CachingAllocatorModel(AllocatorBase):
             size = round_size(nbytes, self.config)
         pool = self._small if size <= K_SMALL_SIZE else self._large
         max_split = self._max_split
-        if self._expandable is not None:
-            block = self._expandable.take_block(pool, size)
+        expandable = self._expandable
+        if expandable is not None:
+            block = expandable.get_free_block(pool, size)
+            if block is None:
+                block = self._alloc_block(pool, size)
+            block = expandable.split(block, size)
         else:
             keys = pool.keys
             i = bisect_left(keys, size << KEY_SHIFT)
@@ -344,19 +351,25 @@ class CachingAllocatorModel(AllocatorBase):
         self.table.counters["num_device_alloc"] += 1
         return Block(addr, alloc_size, pool)
 
+    def _new_block(self, pool: BlockPool, size: int) -> Block | None:
+        """A free block of new device memory for ``size`` rounded bytes (a segment, or mapped pages
+        of an expandable segment), or ``None`` if the device cannot hold it."""
+        if self._expandable is not None:
+            return self._expandable.try_allocate(pool, size)
+        return self._cuda_malloc(pool, allocation_size(size))
+
     def _alloc_block(self, pool: BlockPool, size: int) -> Block:
         """``alloc_block`` with PyTorch's fallbacks: free enough oversize cached blocks, then all
         unsplit cached segments (a retry), then raise ``torch.OutOfMemoryError``."""
-        alloc_size = allocation_size(size)
-        block = self._cuda_malloc(pool, alloc_size)
+        block = self._new_block(pool, size)
         if block is None and self._release_available_cached_blocks(pool, size):
-            block = self._cuda_malloc(pool, alloc_size)
+            block = self._new_block(pool, size)
         if block is None:
             self._release_cached_blocks()
             self.table.counters["num_alloc_retries"] += 1
-            block = self._cuda_malloc(pool, alloc_size)
+            block = self._new_block(pool, size)
         if block is None:
-            raise self._oom(alloc_size)
+            raise self._oom(allocation_size(size))
         return block
 
     def _release_block(self, block: Block) -> None:
@@ -370,9 +383,10 @@ class CachingAllocatorModel(AllocatorBase):
 
     def _release_available_cached_blocks(self, pool: BlockPool, size: int) -> bool:
         """Free the smallest oversize cached segment that covers the request, or several of the
-        largest ones until enough is freed (only with ``max_split_size_mb``)."""
+        largest ones until enough is freed (only with ``max_split_size_mb``; never for expandable
+        segments, whose blocks cannot be freed one by one)."""
         max_split = self._max_split
-        if max_split == UNLIMITED:
+        if max_split == UNLIMITED or self._expandable is not None:
             return False
         target = max(size, max_split)
         keys = pool.keys
@@ -413,37 +427,12 @@ class CachingAllocatorModel(AllocatorBase):
         self._release_cached_blocks()
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Segments and their blocks, sorted by (invented) address, in the spirit of
-        ``torch.cuda.memory_snapshot()``.
+        """Segments and their blocks, sorted by (invented) address, in the format of
+        ``torch.cuda.memory_snapshot()`` (see :func:`~memlab.sources.allocator.blocks.snapshot_segments`).
 
-        Each segment: ``address``, ``total_size``, ``allocated_size``, ``requested_size``,
-        ``segment_type`` (``"small"``/``"large"``), ``is_expandable`` and ``blocks``; each block:
-        ``address``, ``size`` (granted bytes), ``requested_size`` (0 for a free block),
-        ``allocated`` (bool) and ``state`` (``"active_allocated"`` or ``"inactive"``).
+        With ``expandable_segments`` each contiguous mapped range is reported as one segment.
         """
-        if self._expandable is not None:
-            return self._expandable.snapshot()
-        blocks = list(self._live.values())
-        for pool in (self._small, self._large):
-            blocks.extend(pool.blocks)
-        segments = []
-        for head in sorted((b for b in blocks if b.prev is None), key=lambda b: b.addr):
-            segment = {
-                "address": head.addr,
-                "total_size": 0,
-                "allocated_size": 0,
-                "requested_size": 0,
-                "segment_type": "small" if head.pool.small else "large",
-                "is_expandable": False,
-                "blocks": [],
-            }
-            block: Block | None = head
-            while block is not None:
-                segment["blocks"].append(block_info(block))
-                segment["total_size"] += block.size
-                if block.allocated:
-                    segment["allocated_size"] += block.size
-                    segment["requested_size"] += block.requested
-                block = block.next
-            segments.append(segment)
-        return segments
+        blocks = [*self._live.values(), *self._small.blocks, *self._large.blocks]
+        if self._expandable is None:
+            return snapshot_segments(blocks)
+        return snapshot_segments(blocks + self._expandable.unmapped_blocks(), expandable=True)

@@ -1,8 +1,6 @@
-"""CachingAllocatorModel and ExactAllocator: the CUDA caching allocator's behaviour, in exact bytes."""
+"""CachingAllocatorModel: the CUDA caching allocator's behaviour, in exact bytes."""
 
 from __future__ import annotations
-
-from itertools import pairwise
 
 import pytest
 import torch
@@ -10,54 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memlab import STAT_KEYS
-from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator, format_cuda_size
-from memlab.sources.allocator_config import round_size
-
-KiB = 1024
-MiB = 1024 * 1024
-
-
-def model(capacity=None, config: str = "") -> CachingAllocatorModel:
-    """A model with an explicit config, so the test does not depend on the environment."""
-    return CachingAllocatorModel(capacity=capacity, config=config)
-
-
-def assert_consistent(m: CachingAllocatorModel) -> None:
-    """Every statistic agrees with the segments and blocks the model holds."""
-    stats = m.memory_stats()
-    segments = m.snapshot()
-    expandable = m.config.expandable_segments
-    for pool, kind in (("small_pool", "small"), ("large_pool", "large")):
-        segs = [s for s in segments if s["segment_type"] == kind]
-        blocks = [b for s in segs for b in s["blocks"]]
-        live = [b for b in blocks if b["allocated"]]
-        split_free = [b for s in segs if len(s["blocks"]) > 1 for b in s["blocks"] if not b["allocated"]]
-        if expandable:  # mapped pages are not segments, and expandable blocks are not inactive_split
-            assert all(s["is_expandable"] for s in segs)
-            split_free = []
-            segs_count = 0
-        else:
-            segs_count = len(segs)
-        assert stats[f"segment.{pool}.current"] == segs_count
-        assert stats[f"reserved_bytes.{pool}.current"] == sum(s["total_size"] for s in segs)
-        assert stats[f"allocation.{pool}.current"] == len(live)
-        assert stats[f"allocated_bytes.{pool}.current"] == sum(b["size"] for b in live)
-        assert stats[f"requested_bytes.{pool}.current"] == sum(b["requested_size"] for b in live)
-        assert stats[f"inactive_split.{pool}.current"] == len(split_free)
-        assert stats[f"inactive_split_bytes.{pool}.current"] == sum(b["size"] for b in split_free)
-    for seg in segments:
-        address = seg["address"]
-        for block in seg["blocks"]:  # blocks tile the segment exactly, in address order
-            assert block["address"] == address
-            address += block["size"]
-        assert address == seg["address"] + seg["total_size"]
-        free = [not b["allocated"] for b in seg["blocks"]]
-        assert not any(a and b for a, b in pairwise(free)), "two adjacent free blocks were not merged"
-    for stat in ("allocation", "allocated_bytes", "reserved_bytes", "segment", "requested_bytes"):
-        parts = stats[f"{stat}.small_pool.current"] + stats[f"{stat}.large_pool.current"]
-        assert stats[f"{stat}.all.current"] == parts
-    assert stats["allocated_bytes.all.current"] <= stats["reserved_bytes.all.current"]
-
+from memlab.sources.allocator import CachingAllocatorModel
+from memlab.sources.allocator.config import round_size
+from tests.sources.allocator.invariants import MiB, assert_consistent, model
 
 # -- the published check ----------------------------------------------------------------------------
 
@@ -363,20 +316,6 @@ def test_capacity_that_is_not_a_size_is_rejected():
         model(capacity=1.5)
 
 
-@pytest.mark.parametrize(
-    ("nbytes", "text"),
-    [
-        (1024, "1024 bytes"),
-        (1025, "1.00 KiB"),
-        (MiB, "1024.00 KiB"),
-        (20 * MiB, "20.00 MiB"),
-        (1536 * MiB, "1.50 GiB"),
-    ],
-)
-def test_sizes_in_messages_are_formatted_like_pytorch(nbytes, text):
-    assert format_cuda_size(nbytes) == text
-
-
 # -- max_split_size_mb ------------------------------------------------------------------------------
 
 
@@ -428,108 +367,6 @@ def test_with_max_split_size_a_failing_segment_first_frees_an_oversize_cached_bl
     assert stats["num_device_free"] == 1
     assert stats["num_alloc_retries"] == 0
     assert stats["num_sync_all_streams"] == 0
-
-
-# -- expandable_segments ------------------------------------------------------------------------------
-
-
-def expandable(capacity=None) -> CachingAllocatorModel:
-    return model(capacity=capacity, config="expandable_segments:True")
-
-
-def test_expandable_segments_give_the_same_numbers_for_linear_100_100():
-    m = expandable()
-    m.malloc(40_000)
-    m.malloc(400)
-    stats = m.memory_stats()
-    assert stats["active_bytes.all.peak"] == 40_960
-    assert stats["reserved_bytes.all.peak"] == 2 * MiB
-
-
-def test_expandable_segment_maps_20_mib_pages_for_the_large_pool():
-    m = expandable()
-    m.malloc(30 * MiB)
-    stats = m.memory_stats()
-    assert stats["reserved_bytes.large_pool.current"] == 40 * MiB
-    assert stats["num_device_alloc"] == 1
-
-
-def test_expandable_mappings_are_not_counted_as_segments():
-    m = expandable()
-    m.malloc(30 * MiB)
-    stats = m.memory_stats()
-    assert stats["segment.all.current"] == 0
-    assert stats["oversize_segments.current"] == 0
-
-
-def test_expandable_segment_grows_from_its_free_tail_instead_of_a_new_segment():
-    m = expandable()
-    m.malloc(30 * MiB)
-    m.malloc(5 * MiB)  # from the 10 MiB left on the mapped pages
-    m.malloc(15 * MiB)  # 5 MiB free tail + one new 20 MiB page
-    stats = m.memory_stats()
-    assert stats["reserved_bytes.large_pool.current"] == 60 * MiB
-    assert stats["num_device_alloc"] == 2
-    (segment,) = m.snapshot()
-    assert [(b["size"], b["allocated"]) for b in segment["blocks"]] == [
-        (30 * MiB, True),
-        (5 * MiB, True),
-        (15 * MiB, True),
-        (10 * MiB, False),
-    ]
-
-
-def test_expandable_large_pool_splits_off_remainders_of_512_bytes_and_up():
-    m = expandable()
-    m.malloc(19 * MiB)
-    stats = m.memory_stats()
-    assert stats["allocated_bytes.large_pool.current"] == 19 * MiB
-    assert stats["inactive_split.large_pool.current"] == 0
-
-
-def test_expandable_empty_cache_unmaps_only_whole_free_pages():
-    m = expandable()
-    m.malloc(30 * MiB)
-    m.malloc(5 * MiB)
-    m.free(m.malloc(15 * MiB))  # free: 25 MiB from 35 MiB on; the page from 40 MiB is wholly free
-    m.empty_cache()
-    stats = m.memory_stats()
-    assert stats["reserved_bytes.large_pool.current"] == 40 * MiB
-    assert stats["num_device_free"] == 1
-    assert [b["size"] for b in m.snapshot()[0]["blocks"]] == [30 * MiB, 5 * MiB, 5 * MiB]
-
-
-def test_expandable_empty_cache_returns_everything_once_all_is_free():
-    m = expandable()
-    handles = [m.malloc(n) for n in (30 * MiB, 1000, 5 * MiB)]
-    for handle in handles:
-        m.free(handle)
-    m.empty_cache()
-    assert m.memory_stats()["reserved_bytes.all.current"] == 0
-    assert m.snapshot() == []
-
-
-def test_expandable_segment_recreated_after_empty_cache_reuses_its_address_range():
-    m = expandable()
-    m.free(m.malloc(30 * MiB))
-    first = m.snapshot()[0]["address"]
-    m.empty_cache()
-    m.malloc(30 * MiB)
-    assert m.snapshot()[0]["address"] == first
-
-
-def test_expandable_capacity_retries_then_raises_out_of_memory():
-    m = expandable(capacity=40 * MiB)
-    m.malloc(30 * MiB)
-    with pytest.raises(
-        torch.OutOfMemoryError,
-        match=r"Tried to allocate 2\.00 MiB\. GPU 0 has a total capacity "
-        r"of 40\.00 MiB of which 0 bytes is free",
-    ):
-        m.malloc(1000)
-    stats = m.memory_stats()
-    assert stats["num_alloc_retries"] == 1
-    assert stats["num_ooms"] == 1
 
 
 # -- roundup_power2_divisions -----------------------------------------------------------------------
@@ -644,52 +481,6 @@ def test_snapshot_lists_segments_and_their_blocks():
         (40_448, 40_000, True),
         (2 * MiB - 40_448, 0, False),
     ]
-
-
-# -- ExactAllocator ---------------------------------------------------------------------------------
-
-
-def test_exact_allocator_reserves_exactly_what_is_requested():
-    m = ExactAllocator()
-    m.malloc(40_000)
-    m.malloc(400)
-    stats = m.memory_stats()
-    assert stats["allocated_bytes.all.current"] == 40_400
-    assert stats["reserved_bytes.all.current"] == 40_400
-    assert stats["requested_bytes.all.current"] == 40_400
-    assert stats["segment.all.current"] == 2
-    assert tuple(stats) == STAT_KEYS
-
-
-def test_exact_allocator_releases_on_free():
-    m = ExactAllocator()
-    m.free(m.malloc(2 * MiB))
-    stats = m.memory_stats()
-    assert stats["reserved_bytes.large_pool.current"] == 0
-    assert stats["reserved_bytes.large_pool.peak"] == 2 * MiB
-    assert stats["num_device_free"] == 1
-
-
-def test_exact_allocator_raises_out_of_memory_at_capacity():
-    m = ExactAllocator(capacity=1000)
-    m.malloc(600)
-    with pytest.raises(
-        torch.OutOfMemoryError,
-        match=r"Tried to allocate 500 bytes\. GPU 0 has a total capacity of 1000 bytes of which 400 bytes is",
-    ):
-        m.malloc(500)
-    stats = m.memory_stats()
-    assert stats["num_ooms"] == 1
-    assert stats["num_alloc_retries"] == 0
-
-
-def test_exact_allocator_zero_bytes_and_bad_handles():
-    m = ExactAllocator()
-    assert m.malloc(0) == 0
-    m.free(0)
-    with pytest.raises(ValueError, match="unknown handle 3"):
-        m.free(3)
-    assert m.memory_stats()["allocation.all.allocated"] == 0
 
 
 # -- properties -------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Allocation traces recorded on real GPUs, replayed through the caching allocator model.
 
-The data lives beside the repository in ``../shared/gpu-traces`` (see its README). Without it these
-tests fail: the model's claim to be faithful rests on them.
+The data is a copy of ``../shared/gpu-traces`` kept in ``tests/data/gpu-traces`` (see its README),
+so a clone tests itself: the model's claim to be faithful rests on these traces.
 """
 
 from __future__ import annotations
@@ -14,17 +14,14 @@ from typing import Any
 import pytest
 
 from memlab.sources.allocator import CachingAllocatorModel
-from memlab.sources.allocator_config import allocation_size, pool_name, round_size
+from memlab.sources.allocator.config import allocation_size, pool_name, round_size
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "gpu-traces" / "traces.json"
+TRACES = Path(__file__).resolve().parents[2] / "data" / "gpu-traces" / "traces.json"
 MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def traces() -> dict[str, Any]:
-    assert TRACES.is_file(), (
-        f"GPU traces not found at {TRACES.resolve()}; the repository must sit beside ../shared/gpu-traces"
-    )
     return json.loads(TRACES.read_text())
 
 

@@ -39,6 +39,7 @@ UNLIMITED = 2**64 - 1  #: ``SIZE_MAX``: the default ``max_split_size`` (reported
 
 _MIB = 1_048_576
 _INTERVALS = 16  # roundup_power2_divisions intervals: [1 MiB, 2 MiB), [2, 4), ... , [32 GiB, inf)
+_MAX_REGISTER_THREADS = 128  # pinned_max_register_threads() in CUDAAllocatorConfig
 
 #: Options that change the model's numbers.
 MODELLED_OPTIONS = (
@@ -182,9 +183,22 @@ def _megabytes_at_least_20(text: str, key: str, value: str) -> int:
     return min(megabytes * _MIB, UNLIMITED // _MIB * _MIB)
 
 
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _register_threads(text: str, key: str, value: str) -> int:
+    threads = _to_int(text, key, value)
+    if not (_is_power_of_two(threads) and threads <= _MAX_REGISTER_THREADS):
+        raise _config_error(
+            text, f"{key} must be a power of 2 from 1 to {_MAX_REGISTER_THREADS}, got {value!r}"
+        )
+    return threads
+
+
 def _power_of_two_divisions(text: str, value: str, allow_zero: bool) -> int:
     divisions = _to_int(text, "roundup_power2_divisions", value)
-    if not (divisions > 0 and divisions & (divisions - 1) == 0) and not (allow_zero and divisions == 0):
+    if not _is_power_of_two(divisions) and not (allow_zero and divisions == 0):
         raise _config_error(
             text,
             f"roundup_power2_divisions must be a power of 2{' or 0' if allow_zero else ''}, got {value!r}",
@@ -210,7 +224,7 @@ def _parse_divisions(text: str, tokens: list[str], i: int) -> tuple[tuple[int, .
             table[last_index:] = [divisions] * (_INTERVALS - last_index)
         else:
             megabytes = _to_int(text, "roundup_power2_divisions interval", interval)
-            if megabytes == 0 or megabytes & (megabytes - 1):
+            if not _is_power_of_two(megabytes):
                 raise _config_error(
                     text, f"roundup_power2_divisions intervals must be powers of 2 (MB), got {interval}"
                 )
@@ -238,7 +252,8 @@ def parse_alloc_conf(text: str | None = None) -> AllocatorConfig:
     or a list of ``interval_mb:divisions`` with ``>`` for the rest), ``expandable_segments``
     (``True``/``False``), ``garbage_collection_threshold`` (in (0, 1); no effect without a memory
     fraction, as in PyTorch) and ``backend:native``. Options that only concern pinned host memory,
-    locking or CUDA graphs are accepted and ignored. Raises ``ValueError`` for an unknown option
+    locking or CUDA graphs are checked as PyTorch checks them (``pinned_num_register_threads``: a
+    power of 2 up to 128) and ignored. Raises ``ValueError`` for an unknown option
     (listing the valid ones), a bad value, ``backend:cudaMallocAsync`` and options whose effect is
     not modelled.
     """
@@ -294,6 +309,8 @@ def parse_alloc_conf(text: str | None = None) -> AllocatorConfig:
                 raise _config_error(
                     text, f"unknown allocator backend {value!r}; options are native and cudaMallocAsync"
                 )
+        elif key == "pinned_num_register_threads":
+            _register_threads(text, key, value)
         else:
             _to_int(text, key, value)
         i += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memlab.sources.allocator_config import (
+from memlab.sources.allocator.config import (
     UNLIMITED,
     AllocatorConfig,
     allocation_size,
@@ -129,6 +129,21 @@ def test_interval_divisions_fill_below_the_first_entry_and_from_the_last_entry_o
 def test_options_without_effect_on_device_memory_are_accepted():
     config = parse_alloc_conf("release_lock_on_cudamalloc:True,pinned_num_register_threads:8")
     assert config == AllocatorConfig(source="release_lock_on_cudamalloc:True,pinned_num_register_threads:8")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 64, 128])
+def test_pinned_num_register_threads_accepts_powers_of_2_up_to_128(threads):
+    text = f"pinned_num_register_threads:{threads}"
+    assert parse_alloc_conf(text) == AllocatorConfig(source=text)
+
+
+@pytest.mark.parametrize("threads", [0, 3, 96, 256])
+def test_pinned_num_register_threads_rejects_what_pytorch_rejects(threads):
+    with pytest.raises(
+        ValueError,
+        match=f"pinned_num_register_threads must be a power of 2 from 1 to 128, got '{threads}'",
+    ):
+        parse_alloc_conf(f"pinned_num_register_threads:{threads}")
 
 
 def test_unknown_option_lists_the_valid_ones():

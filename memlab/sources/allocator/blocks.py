@@ -1,6 +1,7 @@
-"""Building blocks shared by memlab's allocator models: blocks, pools, handles and PyTorch's messages.
+"""Building blocks shared by memlab's allocator models: blocks, pools, handles, input checks and
+the one builder of ``torch.cuda.memory_snapshot()`` segment dicts.
 
-Internal to :mod:`memlab.sources.allocator`; the public names are re-exported there.
+Internal to :mod:`memlab.sources.allocator`, whose ``__init__`` re-exports the public API.
 """
 
 from __future__ import annotations
@@ -8,11 +9,14 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from itertools import groupby
 from typing import Any
 
 import torch
 
 from memlab._units import parse_size
+from memlab.sources.allocator.messages import oom_message
 from memlab.sources.stats import StatTable, decrease, increase
 
 __all__ = [
@@ -21,49 +25,14 @@ __all__ = [
     "AllocatorBase",
     "Block",
     "BlockPool",
-    "block_info",
     "change_pair",
     "change_split",
     "check_nbytes",
-    "format_cuda_size",
-    "huge_request",
-    "oom_message",
+    "snapshot_segments",
 ]
 
 ONE_EXABYTE = 1_152_921_504_606_846_976
 KEY_SHIFT = 64  # a free block's sort key is (size << 64) | address: best fit, then lowest address
-
-
-def format_cuda_size(nbytes: int) -> str:
-    """Format bytes as PyTorch's allocator does in its messages (``format_size`` in C++).
-
-    Up to 1024 B: ``"512 bytes"``; up to 1 MiB: ``"40.00 KiB"``; up to 1 GiB: ``"20.00 MiB"``;
-    above: ``"1.50 GiB"``. (memlab's own tables print sizes with :func:`memlab._units.format_size`.)
-    """
-    if nbytes <= 1024:
-        return f"{nbytes} bytes"
-    if nbytes <= 1_048_576:
-        return f"{nbytes / 1024.0:.2f} KiB"
-    if nbytes <= 1_073_741_824:
-        return f"{nbytes / 1_048_576.0:.2f} MiB"
-    return f"{nbytes / 1_073_741_824.0:.2f} GiB"
-
-
-def oom_message(tried: int, capacity: int, free: int, allocated: int, reserved: int) -> str:
-    """PyTorch's ``CUDA out of memory`` message for device 0, word for word.
-
-    ``tried`` is the size of the failed ``cudaMalloc`` (the segment, not the request), ``free``
-    what the device has left, ``allocated``/``reserved`` the allocator's current totals.
-    """
-    return (
-        f"CUDA out of memory. Tried to allocate {format_cuda_size(tried)}. GPU 0 has a total capacity of "
-        f"{format_cuda_size(capacity)} of which {format_cuda_size(free)} is free. Of the allocated memory "
-        f"{format_cuda_size(allocated)} is allocated by PyTorch, and "
-        f"{format_cuda_size(reserved - allocated)} is reserved by PyTorch but unallocated. If reserved but "
-        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
-        "fragmentation.  See documentation for Memory Management  "
-        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-    )
 
 
 def check_nbytes(nbytes: Any) -> int:
@@ -80,12 +49,6 @@ def check_nbytes(nbytes: Any) -> int:
     if value < 0:
         raise ValueError(f"nbytes must be >= 0, got {value}")
     return value
-
-
-def huge_request() -> torch.OutOfMemoryError:
-    """The error PyTorch's ``allocate`` raises for 1 EiB or more, before the allocator sees it
-    (so ``num_ooms`` does not count it)."""
-    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.")
 
 
 class AllocatorBase:
@@ -135,7 +98,11 @@ class AllocatorBase:
 
 
 class Block:
-    """A contiguous range of a segment: allocated to a handle, or free and cached in its pool."""
+    """A contiguous range of a segment: allocated to a handle, or free and cached in its pool.
+
+    The blocks of a segment form a doubly linked chain in address order. The caching model's
+    malloc/free relink blocks inline (they are the hot path); everything else uses the methods.
+    """
 
     __slots__ = ("addr", "allocated", "mapped", "next", "pool", "prev", "requested", "size")
 
@@ -148,6 +115,35 @@ class Block:
         self.prev: Block | None = None
         self.next: Block | None = None
         self.pool = pool
+
+    def link_before(self, new: Block) -> None:
+        """Put ``new`` into the chain right before this block."""
+        new.prev = prev = self.prev
+        if prev is not None:
+            prev.next = new
+        new.next = self
+        self.prev = new
+
+    def link_after(self, new: Block) -> None:
+        """Put ``new`` into the chain right after this block."""
+        new.next = nxt = self.next
+        if nxt is not None:
+            nxt.prev = new
+        new.prev = self
+        self.next = new
+
+    def absorb(self, neighbour: Block) -> None:
+        """Grow over ``neighbour`` (this block's ``prev`` or ``next``), taking it out of the chain."""
+        if neighbour is self.prev:
+            self.addr = neighbour.addr
+            self.prev = prev = neighbour.prev
+            if prev is not None:
+                prev.next = self
+        else:
+            self.next = nxt = neighbour.next
+            if nxt is not None:
+                nxt.prev = self
+        self.size += neighbour.size
 
 
 class BlockPool:
@@ -215,15 +211,50 @@ def change_pair(stats: tuple[list[int], list[int]], amount: int) -> None:
 
 def change_split(split: tuple[list[int], ...], blocks: int, nbytes: int) -> None:
     """Apply free_block's net changes to ``inactive_split`` and ``inactive_split_bytes`` (all, pool)."""
-    for stat, amount in ((split[0], blocks), (split[1], blocks), (split[2], nbytes), (split[3], nbytes)):
-        if amount > 0:
-            increase(stat, amount)
-        elif amount < 0:
-            decrease(stat, -amount)
+    change_pair((split[0], split[1]), blocks)
+    change_pair((split[2], split[3]), nbytes)
 
 
-def block_info(block: Block) -> dict[str, Any]:
-    """A block as a snapshot entry: address, granted size, requested size (0 when free), state."""
+def snapshot_segments(blocks: Iterable[Block], expandable: bool = False) -> list[dict[str, Any]]:
+    """The segments of ``torch.cuda.memory_snapshot()`` for a model's blocks, sorted by address.
+
+    ``blocks`` must hold every block of every segment: allocated, cached and (for expandable
+    segments) unmapped. Each chain of linked blocks is one segment; with ``expandable`` each
+    contiguous mapped run of a chain is reported as one segment, as PyTorch does. Each segment:
+    ``address``, ``total_size``, ``allocated_size``, ``requested_size``, ``segment_type``
+    (``"small"``/``"large"``), ``is_expandable`` and ``blocks``; each block: ``address``, ``size``
+    (granted bytes), ``requested_size`` (0 for a free block), ``allocated`` (bool) and ``state``
+    (``"active_allocated"`` or ``"inactive"``). Sizes are bytes.
+    """
+    segments = []
+    for head in sorted((b for b in blocks if b.prev is None), key=operator.attrgetter("addr")):
+        for mapped, run in groupby(_chain(head), key=operator.attrgetter("mapped")):
+            if mapped:
+                segments.append(_segment_info(list(run), expandable))
+    return segments
+
+
+def _chain(head: Block) -> Iterator[Block]:
+    block: Block | None = head
+    while block is not None:
+        yield block
+        block = block.next
+
+
+def _segment_info(blocks: list[Block], expandable: bool) -> dict[str, Any]:
+    allocated = [b for b in blocks if b.allocated]
+    return {
+        "address": blocks[0].addr,
+        "total_size": sum(b.size for b in blocks),
+        "allocated_size": sum(b.size for b in allocated),
+        "requested_size": sum(b.requested for b in allocated),
+        "segment_type": "small" if blocks[0].pool.small else "large",
+        "is_expandable": expandable,
+        "blocks": [_block_info(b) for b in blocks],
+    }
+
+
+def _block_info(block: Block) -> dict[str, Any]:
     return {
         "address": block.addr,
         "size": block.size,

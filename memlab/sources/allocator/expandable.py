@@ -18,13 +18,10 @@ segment only when that range is too fragmented); with ``max_split_size_mb`` the 
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
 
-from memlab.sources.allocator_blocks import KEY_SHIFT, Block, BlockPool, block_info, change_pair
-from memlab.sources.allocator_config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, allocation_size
-
-if TYPE_CHECKING:
-    from memlab.sources.allocator import CachingAllocatorModel
+from memlab.sources.allocator.blocks import KEY_SHIFT, Block, BlockPool, change_pair
+from memlab.sources.allocator.config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, AllocatorConfig
+from memlab.sources.stats import StatTable
 
 __all__ = ["ExpandableSegments"]
 
@@ -64,42 +61,52 @@ def _expandable_size(block: Block) -> int:
 
 
 class ExpandableSegments:
-    """The expandable-segment half of a :class:`CachingAllocatorModel` (see the module docstring)."""
+    """The expandable-segment half of a ``CachingAllocatorModel`` (see the module docstring).
 
-    def __init__(self, model: CachingAllocatorModel) -> None:
-        self.model = model
+    It shares the model's statistics ``table`` (``reserved_bytes``, ``num_device_alloc`` and
+    ``num_device_free`` change as pages are mapped and unmapped), its two pools of free blocks,
+    its ``config`` (``max_split_size``) and ``capacity`` (bytes, ``None`` for unlimited). Address
+    ranges are laid out from ``base_address`` on. The model keeps the allocated blocks and the
+    retry path; this object finds, maps, splits, merges and unmaps blocks.
+    """
+
+    def __init__(
+        self,
+        table: StatTable,
+        small: BlockPool,
+        large: BlockPool,
+        config: AllocatorConfig,
+        capacity: int | None,
+        base_address: int,
+    ) -> None:
         self.segments: dict[BlockPool, _Segment] = {}
+        self._counters = table.counters
+        self._reserved_all = table.stats["reserved_bytes.all"]
+        self._pools = (large, small)  # the order in which release() unmaps
+        self._config = config
+        self._capacity = capacity
+        self._next_base = base_address
         self._bases: dict[BlockPool, int] = {}  # a pool's address range, reused when it is recreated
 
     # -- malloc ------------------------------------------------------------------------------------
 
-    def take_block(self, pool: BlockPool, size: int) -> Block:
-        """A block of ``size`` rounded bytes, marked neither allocated nor counted yet: the best
-        fitting free block, or freshly mapped pages; split when at least 512 B remain."""
-        block = self._get_free_block(pool, size)
-        if block is None:
-            block = self._try_allocate(pool, size)
-            if block is None:
-                self.model._release_cached_blocks()
-                self.model.table.counters["num_alloc_retries"] += 1
-                block = self._try_allocate(pool, size)
-            if block is None:
-                raise self.model._oom(allocation_size(size))
+    def split(self, block: Block, size: int) -> Block:
+        """The first ``size`` rounded bytes of ``block``, the rest cached as a free block when at
+        least 512 B remain (in both pools). Neither is marked allocated nor counted."""
+        pool = block.pool
         remaining = block.size - size
         if remaining >= K_MIN_BLOCK_SIZE:
             rest = block
             block = Block(rest.addr, size, pool)
-            block.prev = rest.prev
-            if block.prev is not None:
-                block.prev.next = block
-            block.next = rest
-            rest.prev = block
+            rest.link_before(block)
             rest.addr += size
             rest.size = remaining
             pool.insert(rest)
         return block
 
-    def _get_free_block(self, pool: BlockPool, size: int) -> Block | None:
+    def get_free_block(self, pool: BlockPool, size: int) -> Block | None:
+        """The best fitting cached block for ``size`` rounded bytes, taken out of ``pool``; ``None``
+        when no block fits or only an oversize one would (``max_split_size``)."""
         keys = pool.keys
         blocks = pool.blocks
         i = bisect_left(keys, size << KEY_SHIFT)
@@ -109,7 +116,7 @@ class ExpandableSegments:
         while i + 1 < len(keys) and _expandable_size(blocks[i + 1]) < _expandable_size(blocks[i]):
             i += 1
         block = blocks[i]
-        config = self.model.config
+        config = self._config
         max_split = config.max_split_size
         if (size < max_split <= block.size) or (
             size >= max_split and block.size >= size + config.max_non_split_rounding_size
@@ -122,11 +129,10 @@ class ExpandableSegments:
     def _segment(self, pool: BlockPool) -> _Segment:
         segment = self.segments.get(pool)
         if segment is None:
-            model = self.model
             base = self._bases.get(pool)
             if base is None:
-                base = self._bases[pool] = model._next_addr
-                model._next_addr += _ADDRESS_SPACE
+                base = self._bases[pool] = self._next_base
+                self._next_base += _ADDRESS_SPACE
             segment = _Segment(base, K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER)
             whole = Block(segment.base, segment.end - segment.base, pool)
             whole.mapped = False
@@ -134,8 +140,10 @@ class ExpandableSegments:
             self.segments[pool] = segment
         return segment
 
-    def _try_allocate(self, pool: BlockPool, size: int) -> Block | None:
-        """``try_allocate_expandable_block``: map pages at the lowest address where ``size`` fits."""
+    def try_allocate(self, pool: BlockPool, size: int) -> Block | None:
+        """``try_allocate_expandable_block``: map pages at the lowest address where ``size`` rounded
+        bytes fit and return that free block, taken out of ``pool``; ``None`` when the pages would
+        exceed ``capacity``."""
         segment = self._segment(pool)
         candidate = self._find_expandable_block(segment, size)
         if not candidate.mapped and not self._map_block(pool, segment, candidate, min(candidate.size, size)):
@@ -166,26 +174,21 @@ class ExpandableSegments:
     def _map_block(self, pool: BlockPool, segment: _Segment, to_map: Block, size: int) -> bool:
         page = segment.page
         mapped = -(-size // page) * page
-        model = self.model
-        capacity = model.capacity
-        if capacity is not None and model.table.stats["reserved_bytes.all"][0] + mapped > capacity:
+        capacity = self._capacity
+        if capacity is not None and self._reserved_all[0] + mapped > capacity:
             return False
         segment.remove_unmapped(to_map)
         to_map.mapped = True
         if mapped < to_map.size:
             rest = Block(to_map.addr + mapped, to_map.size - mapped, pool)
             rest.mapped = False
-            rest.prev = to_map
-            rest.next = to_map.next
-            if rest.next is not None:
-                rest.next.prev = rest
-            to_map.next = rest
+            to_map.link_after(rest)
             to_map.size = mapped
             segment.add_unmapped(rest)
         self._merge_free_neighbours(to_map)
         pool.insert(to_map)
         change_pair(pool.reserved_bytes, mapped)
-        model.table.counters["num_device_alloc"] += 1
+        self._counters["num_device_alloc"] += 1
         return True
 
     # -- free -----------------------------------------------------------------------------------------
@@ -197,30 +200,17 @@ class ExpandableSegments:
 
     @staticmethod
     def _merge_free_neighbours(block: Block) -> None:
-        pool = block.pool
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.mapped:
-            pool.remove(prev)
-            block.addr = prev.addr
-            block.size += prev.size
-            block.prev = prev.prev
-            if block.prev is not None:
-                block.prev.next = block
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.mapped:
-            pool.remove(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if block.next is not None:
-                block.next.prev = block
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated and neighbour.mapped:
+                block.pool.remove(neighbour)
+                block.absorb(neighbour)
 
     # -- giving memory back -----------------------------------------------------------------------------
 
     def release(self) -> None:
         """``release_blocks`` for expandable segments: unmap every whole free page (large pool
         first); a segment left with no mapped page is dropped."""
-        model = self.model
-        for pool in (model._large, model._small):
+        for pool in self._pools:
             segment = self.segments.get(pool)
             if segment is None:
                 continue
@@ -240,20 +230,12 @@ class ExpandableSegments:
         pool.remove(block)
         if start > block.addr:
             before = Block(block.addr, start - block.addr, pool)
-            before.prev = block.prev
-            if before.prev is not None:
-                before.prev.next = before
-            before.next = block
-            block.prev = before
+            block.link_before(before)
             pool.insert(before)
         end = block.addr + block.size
         if end > stop:
             after = Block(stop, end - stop, pool)
-            after.next = block.next
-            if after.next is not None:
-                after.next.prev = after
-            after.prev = block
-            block.next = after
+            block.link_after(after)
             pool.insert(after)
         block.addr = start
         block.size = stop - start
@@ -261,50 +243,15 @@ class ExpandableSegments:
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.mapped:
                 segment.remove_unmapped(neighbour)
-                if neighbour is block.prev:
-                    block.addr = neighbour.addr
-                    block.prev = neighbour.prev
-                    if block.prev is not None:
-                        block.prev.next = block
-                else:
-                    block.next = neighbour.next
-                    if block.next is not None:
-                        block.next.prev = block
-                block.size += neighbour.size
+                block.absorb(neighbour)
         segment.add_unmapped(block)
         change_pair(pool.reserved_bytes, -(stop - start))
-        self.model.table.counters["num_device_free"] += 1
+        self._counters["num_device_free"] += 1
 
     # -- inspection ---------------------------------------------------------------------------------------
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """One reported segment per contiguous mapped range, as ``torch.cuda.memory_snapshot()`` does."""
-        model = self.model
-        result = []
-        for pool, segment in self.segments.items():
-            live = [b for b in model._live.values() if b.pool is pool]
-            head = min(live + pool.blocks + segment.unmapped, key=lambda b: b.addr)
-            block: Block | None = head
-            current: dict[str, Any] | None = None
-            while block is not None:
-                if not block.mapped:
-                    current = None
-                else:
-                    if current is None:
-                        current = {
-                            "address": block.addr,
-                            "total_size": 0,
-                            "allocated_size": 0,
-                            "requested_size": 0,
-                            "segment_type": "small" if pool.small else "large",
-                            "is_expandable": True,
-                            "blocks": [],
-                        }
-                        result.append(current)
-                    current["blocks"].append(block_info(block))
-                    current["total_size"] += block.size
-                    if block.allocated:
-                        current["allocated_size"] += block.size
-                        current["requested_size"] += block.requested
-                block = block.next
-        return sorted(result, key=lambda s: s["address"])
+    def unmapped_blocks(self) -> list[Block]:
+        """The unmapped address ranges of every expandable segment, as blocks with ``mapped`` False
+        (what :func:`~memlab.sources.allocator.blocks.snapshot_segments` needs besides the model's
+        allocated and cached blocks)."""
+        return [block for segment in self.segments.values() for block in segment.unmapped]

@@ -1,0 +1,15 @@
+"""Models of PyTorch's CUDA caching allocator for machines without a GPU, and an exact-bytes sibling.
+
+:mod:`.caching` holds :class:`CachingAllocatorModel` (the native caching allocator),
+:mod:`.expandable` its ``expandable_segments`` half, :mod:`.exact` :class:`ExactAllocator`,
+:mod:`.blocks` the blocks, pools and snapshot entries both share, :mod:`.config` the size
+arithmetic and ``PYTORCH_CUDA_ALLOC_CONF``, and :mod:`.messages` PyTorch's out-of-memory messages.
+"""
+
+from __future__ import annotations
+
+from memlab.sources.allocator.caching import CachingAllocatorModel
+from memlab.sources.allocator.exact import ExactAllocator
+from memlab.sources.allocator.messages import format_cuda_size, oom_message
+
+__all__ = ["CachingAllocatorModel", "ExactAllocator", "format_cuda_size", "oom_message"]
