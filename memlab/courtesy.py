@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memlab.reporter import reachable_tensors
+from memlab._tensors import reachable_tensors
 
 __all__ = ["Courtesy"]
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
 from memlab._units import format_size
-from memlab.reporter_snapshot import (
+from memlab.reporter.snapshot import (
     NAME_WIDTH,
     RULE,
     SIZE_WIDTH,
-    MemorySnapshot,
     TensorRecord,
+    TensorSnapshot,
     device_matches,
     device_order,
     format_shape,
@@ -52,7 +52,7 @@ class DiffEntry:
 
 @dataclass(frozen=True)
 class SnapshotDiff:
-    """What appeared, disappeared, grew or shrank between two :class:`MemorySnapshot` s.
+    """What appeared, disappeared, grew or shrank between two :class:`TensorSnapshot` s.
 
     Tensors are matched by device and name: parameters, buffers, gradients and optimizer state by
     their names (a gradient replaced by a new tensor of the same size is no change), other tensors
@@ -61,12 +61,12 @@ class SnapshotDiff:
     only appear or disappear.
     """
 
-    before: MemorySnapshot
-    after: MemorySnapshot
+    before: TensorSnapshot
+    after: TensorSnapshot
     entries: tuple[DiffEntry, ...]
 
     @classmethod
-    def between(cls, before: MemorySnapshot, after: MemorySnapshot) -> SnapshotDiff:
+    def between(cls, before: TensorSnapshot, after: TensorSnapshot) -> SnapshotDiff:
         """Compare ``before`` with the later ``after``."""
         old = {(r.device, r.name): r for r in before.records}
         new = {(r.device, r.name): r for r in after.records}

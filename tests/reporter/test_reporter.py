@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from memlab import MemReporter
-from memlab.reporter_records import cuda_block_bytes
+from memlab.reporter.records import cuda_block_bytes
 from memlab.sources.tracker import TensorTracker
 
 _ROW = re.compile(r"^(?P<name>\S+)\s+(?P<size>\(.*?\)|\?)\s+(?P<mem>\S+)$")

@@ -1,8 +1,8 @@
 """MemReporter: name every tensor ``gc`` can reach and say how much memory its storage takes.
 
 This module finds tensors (walking ``gc``) and names them from a model and optimizers;
-:mod:`memlab.reporter_records` turns them into records, one storage counted once;
-:mod:`memlab.reporter_snapshot` holds and renders them; :mod:`memlab.reporter_diff` compares two.
+:mod:`~memlab.reporter.records` turns them into records, one storage counted once;
+:mod:`~memlab.reporter.snapshot` holds and renders them; :mod:`~memlab.reporter.diff` compares two.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 
-from memlab.reporter_diff import SnapshotDiff
-from memlab.reporter_records import DenseTensors, build_records
-from memlab.reporter_snapshot import MemorySnapshot, TensorRecord, paused_gc
+from memlab.reporter.diff import SnapshotDiff
+from memlab.reporter.records import DenseTensors, build_records
+from memlab.reporter.snapshot import TensorRecord, TensorSnapshot, paused_gc
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -109,22 +109,22 @@ class MemReporter:
     def to_dataframe(
         self, verbose: bool = False, device: torch.device | str | int | None = None
     ) -> pd.DataFrame:
-        """The rows :meth:`report` would print, as a DataFrame (see :meth:`MemorySnapshot.to_dataframe`)."""
+        """The rows :meth:`report` would print, as a DataFrame (see :meth:`TensorSnapshot.to_dataframe`)."""
         wanted = _device_filter(device)
         with paused_gc():
             return self._snapshot(None).to_dataframe(verbose=verbose, device=wanted)
 
-    def snapshot(self, source: AllocatedMemorySource | None = None) -> MemorySnapshot:
+    def snapshot(self, source: AllocatedMemorySource | None = None) -> TensorSnapshot:
         """Record every reachable tensor now, as plain data; see :meth:`report` for what it can see."""
         with paused_gc():
             return self._snapshot(source)
 
-    def diff(self, before: MemorySnapshot, after: MemorySnapshot | None = None) -> SnapshotDiff:
+    def diff(self, before: TensorSnapshot, after: TensorSnapshot | None = None) -> SnapshotDiff:
         """What appeared, disappeared, grew or shrank from ``before`` to ``after`` (default: now)."""
         return SnapshotDiff.between(before, self.snapshot() if after is None else after)
 
     # -- collection --------------------------------------------------------------------------
-    def _snapshot(self, source: AllocatedMemorySource | None, dtypes: bool = True) -> MemorySnapshot:
+    def _snapshot(self, source: AllocatedMemorySource | None, dtypes: bool = True) -> TensorSnapshot:
         if source is not None and not callable(getattr(source, "memory_allocated", None)):
             raise TypeError(
                 "source must have a memory_allocated(device) method (e.g. a memlab.TensorTracker), "
@@ -133,7 +133,7 @@ class MemReporter:
         if self.pre_collect:
             gc.collect()
         records = self._collect_records(dtypes)
-        return MemorySnapshot(tuple(records), _allocated(records, source))
+        return TensorSnapshot(tuple(records), _allocated(records, source))
 
     def _collect_records(self, dtypes: bool) -> list[TensorRecord]:
         named: dict[int, tuple[torch.Tensor, str, str]] = {}

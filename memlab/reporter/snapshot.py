@@ -1,7 +1,7 @@
 """What :class:`memlab.MemReporter` records, and two renderers of it: the text report and DataFrames.
 
-A :class:`MemorySnapshot` is plain data (names, shapes, byte counts), captured once and holding no
-tensor; the text report, ``to_dataframe()`` and :mod:`memlab.reporter_diff` all read the same records.
+A :class:`TensorSnapshot` is plain data (names, shapes, byte counts), captured once and holding no
+tensor; the text report, ``to_dataframe()`` and :mod:`memlab.reporter.diff` all read the same records.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CATEGORIES",
-    "MemorySnapshot",
     "TensorRecord",
+    "TensorSnapshot",
     "device_matches",
     "device_order",
     "format_shape",
@@ -110,7 +110,7 @@ def device_order(device: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class MemorySnapshot:
+class TensorSnapshot:
     """The tensors ``gc`` could reach at one moment, named and grouped by storage; no tensor is held.
 
     ``records`` are in report order (parameters each followed by their gradient, buffers, optimizer
@@ -225,7 +225,7 @@ def _memory_text(memory: int | None) -> str:
     return "?" if memory is None else format_size(memory)
 
 
-def _device_footer(snapshot: MemorySnapshot, device: str, owners: list[TensorRecord]) -> list[str]:
+def _device_footer(snapshot: TensorSnapshot, device: str, owners: list[TensorRecord]) -> list[str]:
     """Totals over ``owners`` (the records owning a storage on ``device``) and the allocator's view."""
     memories = list(map(_MEMORY, owners))
     unknown = memories.count(None)

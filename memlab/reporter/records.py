@@ -1,4 +1,4 @@
-"""From tensors to :class:`~memlab.reporter_snapshot.TensorRecord` s: storage identity and bytes.
+"""From tensors to :class:`~memlab.reporter.snapshot.TensorRecord` s: storage identity and bytes.
 
 Tensors sharing a storage (the ``UntypedStorage`` object, never ``data_ptr``: every ``meta`` tensor
 has data pointer 0) are grouped; the first one seen owns the storage's bytes, the others share them.
@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memlab.reporter_snapshot import TensorRecord
+from memlab.reporter.snapshot import TensorRecord
 from memlab.sources.allocator_config import round_size
 
 __all__ = ["DenseTensors", "RecordBuilder", "build_records", "cuda_block_bytes"]
