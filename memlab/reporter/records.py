@@ -13,20 +13,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memlab._tensors import parts
 from memlab.reporter.snapshot import TensorRecord
 from memlab.sources.allocator_config import round_size
 
 __all__ = ["DenseTensors", "RecordBuilder", "build_records", "cuda_block_bytes"]
 
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Unbound C methods and getters, so that a map() over every tensor runs without a Python frame.
 _UNTYPED_STORAGE, _NBYTES = torch.Tensor.untyped_storage, torch.UntypedStorage.nbytes
@@ -42,23 +35,6 @@ def cuda_block_bytes(nbytes: int) -> int:
     nothing. Whole-block hand-outs and ``roundup_power2_divisions`` are not modelled here.
     """
     return round_size(nbytes) if nbytes else 0
-
-
-def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
-    """The storage-holding tensors behind ``tensor``: itself, or a sparse / wrapper tensor's parts."""
-    if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        for attr in attrs:
-            inner = getattr(tensor, attr)
-            if isinstance(inner, torch.Tensor):
-                yield from _parts(inner, f"{name}.{attr}")
-        return
-    accessors = _SPARSE_PARTS.get(tensor.layout)
-    if accessors is None:
-        yield tensor, name
-        return
-    for accessor in accessors:
-        yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
 
 
 class DenseTensors(NamedTuple):
@@ -223,10 +199,10 @@ class RecordBuilder:
         if category is None:  # an unnamed subclass instance
             category = "parameter" if isinstance(top, torch.nn.Parameter) else "other"
         try:
-            parts = list(_parts(top, top_name))
+            found = list(parts(top, top_name))
         except Exception:  # a subclass that refuses to be flattened: list it, size unknown
-            parts = [(top, top_name)]
-        for tensor, name in parts:
+            found = [(top, top_name)]
+        for tensor, name in found:
             dtype = str(tensor.dtype).removeprefix("torch.")
             try:
                 shape: tuple[int | str, ...] | None = tuple(

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 
+from memlab._devices import parse_device
+from memlab._tensors import reachable_tensors
 from memlab.reporter.diff import SnapshotDiff
 from memlab.reporter.records import DenseTensors, build_records
 from memlab.reporter.snapshot import TensorRecord, TensorSnapshot, paused_gc
@@ -23,7 +25,7 @@ from memlab.reporter.snapshot import TensorRecord, TensorSnapshot, paused_gc
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["AllocatedMemorySource", "MemReporter", "reachable_tensors"]
+__all__ = ["AllocatedMemorySource", "MemReporter"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
@@ -249,30 +251,6 @@ def _with_gradients(
             yield grads[id(tensor)], f"{name}.grad", "gradient"
 
 
-def reachable_tensors() -> list[torch.Tensor]:
-    """Every tensor object ``gc`` tracks, any device (weak proxies are skipped: they are not tensors).
-
-    Tensors whose Python object was never created (a ``.grad`` made by autograd and not yet read,
-    the base of a view, autograd's saved tensors) are not among them.
-    """
-    tensor_types = _tensor_classes()  # every live object's class is a live class: all of them
-    objects = gc.get_objects()
-    found = list(itertools.compress(objects, map(tensor_types.__contains__, map(type, objects))))  # in C
-    del objects
-    return found
-
-
-def _tensor_classes() -> set[type]:
-    """``torch.Tensor`` and every class defined so far that derives from it."""
-    classes, unvisited = {torch.Tensor}, [torch.Tensor]
-    while unvisited:
-        for subclass in type.__subclasses__(unvisited.pop()):
-            if subclass not in classes:
-                classes.add(subclass)
-                unvisited.append(subclass)
-    return classes
-
-
 def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """``id(owner) -> grad`` for every leaf tensor with a ``.grad``; each gradient listed once."""
     grads: dict[int, torch.Tensor] = {}
@@ -289,21 +267,9 @@ def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 
 
 def _device_filter(device: torch.device | str | int | None) -> str | None:
-    """``device`` as the string records are keyed by; ``"cuda"`` (no index) selects every CUDA device."""
-    if device is None:
-        return None
-    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(
-            "device must be a torch.device, a string such as 'cpu', 'meta', 'cuda' or 'cuda:1', "
-            f"a CUDA index, or None; got {type(device).__name__} {device!r}"
-        )
-    try:
-        return str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
-    except RuntimeError as error:
-        raise ValueError(
-            f"{device!r} is not a device; valid forms are 'cpu', 'meta', 'cuda', 'cuda:1', "
-            "an int CUDA index, a torch.device, or None"
-        ) from error
+    """``device`` as the string records are keyed by (see :func:`memlab._devices.parse_device`);
+    ``"cuda"`` without an index selects every CUDA device, ``None`` every device."""
+    return None if device is None else str(parse_device(device))
 
 
 def _allocated(

@@ -503,8 +503,11 @@ def test_bad_input_gets_typed_errors_listing_what_is_valid():
         MemReporter(model=3)
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer .*got dict"):
         MemReporter().add_optimizer({"lr": 1})
-    with pytest.raises(ValueError, match=r"'gpu' is not a device; valid forms are 'cpu', 'meta', 'cuda'"):
+    forms = r"'cpu', 'meta', 'cuda', 'cuda:1', a CUDA index \(0, 1, \.\.\.\) or a torch\.device"
+    with pytest.raises(ValueError, match=rf"^device 'gpu' is not a device; valid: {forms}$"):
         MemReporter().report(device="gpu", stream=io.StringIO())
+    with pytest.raises(TypeError, match=rf"^device must be {forms}; got float 1\.5$"):
+        MemReporter().to_dataframe(device=1.5)
     with pytest.raises(TypeError, match=r"source must have a memory_allocated\(device\) method"):
         MemReporter().report(source=object(), stream=io.StringIO())
 
