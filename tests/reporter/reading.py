@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
+import sys
+import textwrap
 
 from torch import nn
 
 from memlab import MemReporter
 
+RULE = "-" * 79
 _ROW = re.compile(r"^(?P<name>\S+)\s+(?P<size>\(.*?\)|\?)\s+(?P<mem>\S+)$")
 
 
@@ -45,3 +49,11 @@ class TiedLM(nn.Module):
         self.embed = nn.Embedding(100, 16)
         self.head = nn.Linear(16, 100, bias=False)
         self.head.weight = self.embed.weight
+
+
+def fresh_report(script: str) -> list[str]:
+    """The lines ``script`` prints when run in a fresh interpreter, where only its tensors live."""
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, check=True
+    )
+    return run.stdout.splitlines()

@@ -5,9 +5,6 @@ from __future__ import annotations
 import gc
 import io
 import re
-import subprocess
-import sys
-import textwrap
 import weakref
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 from torch import nn
 
 from memlab import MemReporter
-from tests.reporter.reading import TiedLM, named_rows, report_text
+from tests.reporter.reading import RULE, TiedLM, fresh_report, named_rows, report_text
 
 
 def test_linear_rows_are_weight_and_bias_with_exact_sizes():
@@ -40,28 +37,24 @@ def test_gradients_are_listed_once_after_backward_even_when_held_by_the_caller()
 
 
 def test_full_report_layout_in_a_fresh_interpreter():
-    script = textwrap.dedent(
-        """
+    script = """
         import torch
         from memlab import MemReporter
         model = torch.nn.Linear(1024, 1024)
         model(torch.ones(1, 1024)).sum().backward()
         MemReporter(model).report()
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    rule = "-" * 79
-    assert out.splitlines() == [
+    """
+    assert fresh_report(script) == [
         "Element type                                            Size  Used MEM",
-        rule,
+        RULE,
         "Storage on cpu",
         "weight                                          (1024, 1024)     4.00M",
         "weight.grad                                     (1024, 1024)     4.00M",
         "bias                                                 (1024,)     4.00K",
         "bias.grad                                            (1024,)     4.00K",
-        rule,
+        RULE,
         "Total Tensors: 2099200  Used Memory: 8.01M",
-        rule,
+        RULE,
         "sizes: storage bytes found through gc (memlab.MemReporter)",
     ]
 
@@ -234,28 +227,24 @@ def test_device_model_cuda_counts_a_linear_layer_as_a_gpu_would(device: str):
 
 
 def test_device_model_cuda_matches_the_tracker_modelling_the_cuda_allocator_in_a_fresh_interpreter():
-    script = textwrap.dedent(
-        """
+    script = """
         import torch, memlab
         with memlab.TensorTracker(allocator="cuda"):
             model = torch.nn.Linear(100, 100)
             loss = model(torch.ones(1, 100)).sum().detach()
             memlab.MemReporter(model, device_model="cuda").report()
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    rule = "-" * 79
-    assert out.splitlines() == [
+    """
+    assert fresh_report(script) == [
         "Element type                                            Size  Used MEM",
-        rule,
+        RULE,
         "Storage on cpu",
         "weight                                            (100, 100)    39.50K",
         "bias                                                  (100,)   512.00B",
         "Tensor0                                                   ()   512.00B",
-        rule,
+        RULE,
         "Total Tensors: 10101  Used Memory: 40.50K",
         "The allocated memory on cpu: 40.50K",
-        rule,
+        RULE,
         "sizes: as the CUDA caching allocator would round them (modelled from cpu tensors)",
     ]
 

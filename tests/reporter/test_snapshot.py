@@ -10,7 +10,7 @@ from memlab import MemReporter
 from memlab.reporter import TensorRecord, TensorSnapshot
 from memlab.reporter.snapshot import sizes_line
 from memlab.sources.tracker import TensorTracker
-from tests.reporter.reading import report_text
+from tests.reporter.reading import RULE, report_text
 
 
 def test_to_dataframe_columns_and_exact_bytes():
@@ -85,9 +85,8 @@ def test_active_tracker_gives_the_allocated_line_for_cpu():
 def test_a_device_without_tensors_says_so():
     model = torch.nn.Linear(2, 2)
     text = report_text(MemReporter(model), device="meta")
-    rule = "-" * 79
     sizes = "sizes: storage bytes found through gc (memlab.MemReporter)"
-    assert text == f"Element type{'Size':>48}  Used MEM\n{rule}\nNo tensors on meta\n{rule}\n{sizes}\n"
+    assert text == f"Element type{'Size':>48}  Used MEM\n{RULE}\nNo tensors on meta\n{RULE}\n{sizes}\n"
 
 
 _EXACT = "sizes: storage bytes found through gc (memlab.MemReporter)"
@@ -136,16 +135,15 @@ def _modelled_linear() -> TensorSnapshot:
 
 
 def test_a_snapshot_renders_from_plain_data_with_its_sizes_line():
-    rule = "-" * 79
     assert _modelled_linear().render().splitlines() == [
         "Element type                                            Size  Used MEM",
-        rule,
+        RULE,
         "Storage on meta",
         "weight                                            (100, 100)    39.50K",
         "bias                                                  (100,)   512.00B",
-        rule,
+        RULE,
         "Total Tensors: 10100  Used Memory: 40.00K",
-        rule,
+        RULE,
         "sizes: as the CUDA caching allocator would round them (modelled from meta tensors)",
     ]
     assert _modelled_linear().used_memory("meta") == 40_960
