@@ -113,8 +113,8 @@ def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     try:
         for part, _ in parts(tensor):
             found.append(part.untyped_storage())
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return []
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError):
+        return []  # ValueError: an uninitialized lazy parameter refuses every op
     return found
 
 

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memlab.reporter import reachable_tensors
+from memlab._devices import DeviceLike, cuda_device_exists, parse_device, require_usable
+from memlab._tensors import live_storages
 
 __all__ = ["Courtesy"]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_VALID_DEVICES = "'cuda', 'cuda:1', an int CUDA index, 'cpu', or another accelerator such as 'xpu' / 'mps'"
 
 
 @dataclass
@@ -77,14 +77,14 @@ class Courtesy:
     storage that such a hidden tensor shares with visible ones is left in place, since moving it
     would free nothing and split the views; so are sparse, nested and quantized tensors and wrapper
     subclasses (a subclass's inner tensors move if ``gc`` sees them). ``skipped`` counts the tensors
-    on the device the last yield left in place. Use it between steps, not while an autograd graph is
-    alive, and not while other threads use the tensors.
+    holding storages on the device that the last yield left in place. Use it between steps, not
+    while an autograd graph is alive, and not while other threads use the tensors.
     """
 
-    def __init__(
-        self, device: torch.device | str | int = "cuda", offload: str | os.PathLike[str] = "cpu"
-    ) -> None:
-        self.device = _parse_device(device)
+    def __init__(self, device: DeviceLike = "cuda", offload: str | os.PathLike[str] = "cpu") -> None:
+        """``device``: any form :func:`memlab._devices.parse_device` reads, a device this machine
+        has (``ValueError`` for ``meta`` and for a CUDA device that does not exist here)."""
+        self.device = _yieldable(parse_device(device))
         self.offload: str | Path = _parse_offload(offload)
         if self.offload == "cpu" and self.device.type == "cpu":
             raise ValueError(
@@ -160,34 +160,25 @@ class Courtesy:
 
     # -- yield ---------------------------------------------------------------------------------
     def _device_storages(self) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
-        """Reachable tensors on the device, grouped by storage (``id`` of the storage object)."""
+        """Storages on the device that can move, keyed by ``id`` of the storage object, with the
+        tensors to re-point at their copy; :attr:`skipped` counts the tensors left in place."""
         placeholders = {id(storage) for storage in self._placeholders.values()}
         groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
-        self.skipped = 0
-        for tensor in _reachable_tensors():
-            if not _on(tensor.device, self.device):
+        left: dict[int, torch.Tensor] = {}
+        for key, live in live_storages(self.device).items():
+            if key in placeholders:
                 continue
-            if type(tensor) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(tensor):
-                self.skipped += 1
-                continue
-            if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized:
-                self.skipped += 1
-                continue
-            try:
-                storage = tensor.untyped_storage()
-            except Exception:  # subclasses without a storage (e.g. an uninitialized lazy parameter)
-                self.skipped += 1
-                continue
-            nbytes = storage.nbytes()  # symbolic for fake tensors, which claim a device but hold none
-            if not isinstance(nbytes, int) or nbytes == 0 or id(storage) in placeholders:
-                continue
-            if not _on(storage.device, self.device):
-                continue
-            groups.setdefault(id(storage), (storage, []))[1].append(tensor)
-        for key, (storage, tensors) in list(groups.items()):
-            if _held_elsewhere(storage, len(tensors)):
-                del groups[key]
-                self.skipped += len(tensors)
+            movable = []
+            for tensor in live.tensors:
+                if _movable(tensor):
+                    movable.append(tensor)
+                else:
+                    left[id(tensor)] = tensor
+            if movable and _held_elsewhere(live.storage, len(movable)):
+                left.update((id(tensor), tensor) for tensor in movable)
+            elif movable:
+                groups[key] = (live.storage, movable)
+        self.skipped = len(left)
         return groups
 
     def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> int:
@@ -273,20 +264,12 @@ class Courtesy:
         return staging.untyped_storage()
 
 
-def _reachable_tensors() -> list[torch.Tensor]:
-    """Tensors ``gc`` tracks, plus the ``.grad`` of leaves and the ``._base`` of views."""
-    found: dict[int, torch.Tensor] = {}
-    stack = reachable_tensors()
-    while stack:
-        tensor = stack.pop()
-        if id(tensor) in found:
-            continue
-        found[id(tensor)] = tensor
-        if tensor.requires_grad and tensor.is_leaf and tensor.grad is not None:
-            stack.append(tensor.grad)
-        if tensor._is_view() and tensor._base is not None:
-            stack.append(tensor._base)
-    return list(found.values())
+def _movable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` can be re-pointed at a copy of its storage: dense, neither nested nor
+    quantized, and not a wrapper subclass (whose inner tensors move on their own)."""
+    if type(tensor) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(tensor):
+        return False
+    return tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_quantized
 
 
 def _held_elsewhere(storage: torch.UntypedStorage, visible: int) -> bool:
@@ -305,22 +288,22 @@ def _view_of(storage: torch.UntypedStorage, view: _View) -> torch.Tensor:
     )
 
 
-def _on(device: torch.device, wanted: torch.device) -> bool:
-    return device.type == wanted.type and (wanted.index is None or device.index == wanted.index)
-
-
-def _parse_device(device: Any) -> torch.device:
-    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(
-            f"device must be a torch.device, a string or an int; got {type(device).__name__} {device!r}"
+def _yieldable(device: torch.device) -> torch.device:
+    """``device`` if it holds memory this machine could yield, else ``ValueError`` saying what is valid."""
+    if device.type == "meta":
+        raise ValueError(f"device 'meta' holds no memory to yield; valid here: {_valid_here()}")
+    if device.type == "cuda" and not cuda_device_exists(device):
+        raise ValueError(
+            f"Courtesy(device={str(device)!r}): this machine has no such CUDA device, so there is "
+            f"nothing to yield; valid here: {_valid_here()}"
         )
-    try:
-        parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"unknown device {device!r}; valid: {_VALID_DEVICES}") from error
-    if parsed.type == "meta":
-        raise ValueError(f"device 'meta' holds no memory to yield; valid: {_VALID_DEVICES}")
-    return parsed
+    return require_usable(device)
+
+
+def _valid_here() -> str:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = {0: "", 1: "'cuda', "}.get(count, f"'cuda:0' to 'cuda:{count - 1}', ")
+    return f"{gpus}'cpu' with a directory as offload"
 
 
 def _parse_offload(offload: Any) -> str | Path:

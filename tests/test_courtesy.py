@@ -223,10 +223,20 @@ def test_cpu_courtesy_never_touches_cuda(tmp_path: Path, monkeypatch: pytest.Mon
     data = torch.ones(10)
     with Courtesy(device="cpu", offload=tmp_path):
         pass
-    cuda = Courtesy(device="cuda")
-    assert cuda.yield_memory() == 0 and cuda.restore() == 0
     assert calls == [] and not torch.cuda.is_initialized()
     assert data.eq(1).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+@pytest.mark.parametrize(("device", "asked"), [("cuda", "cuda"), (0, "cuda:0"), ("cuda:1", "cuda:1")])
+def test_a_cuda_device_this_machine_lacks_is_refused_at_construction(device: object, asked: str):
+    with pytest.raises(ValueError) as raised:
+        Courtesy(device=device)
+    assert str(raised.value) == (
+        f"Courtesy(device='{asked}'): this machine has no such CUDA device, so there is nothing to "
+        "yield; valid here: 'cpu' with a directory as offload"
+    )
+    assert not torch.cuda.is_initialized()
 
 
 @pytest.mark.filterwarnings("ignore:Sparse")
@@ -244,21 +254,33 @@ def test_sparse_tensors_and_storages_shared_with_them_stay_in_place(tmp_path: Pa
     assert repr(courtesy) == f"Courtesy(device='cpu', offload={str(tmp_path)!r}, yielded_bytes=0)"
 
 
+def test_a_wrapper_subclass_stays_while_its_inner_tensors_move(tmp_path: Path):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    pair = TwoTensor(torch.full((10,), 2.0), torch.full((10,), 3.0))
+    inner = pair.a
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    courtesy.yield_memory()
+    assert pair.a is inner and torch.isnan(pair.a).all() and inner.untyped_storage().nbytes() == 4
+    assert courtesy.skipped >= 1  # the pair itself
+    courtesy.restore()
+    assert pair.a.tolist() == [2.0] * 10 and pair.b.tolist() == [3.0] * 10
+
+
 def test_bad_input_gets_typed_errors_listing_what_is_valid(tmp_path: Path):
-    with pytest.raises(
-        ValueError, match=r"unknown device 'gpu'; valid: 'cuda', 'cuda:1', an int CUDA index, 'cpu'"
-    ):
+    forms = r"'cpu', 'meta', 'cuda', 'cuda:1', a CUDA index \(0, 1, \.\.\.\) or a torch\.device"
+    with pytest.raises(ValueError, match=rf"^device 'gpu' is not a device; valid: {forms}$"):
         Courtesy(device="gpu")
-    with pytest.raises(ValueError, match=r"device 'meta' holds no memory to yield"):
+    with pytest.raises(ValueError, match=r"^device 'meta' holds no memory to yield; valid here: .*'cpu'"):
         Courtesy(device="meta", offload=tmp_path)
-    with pytest.raises(TypeError, match=r"device must be a torch.device, a string or an int; got float"):
+    with pytest.raises(TypeError, match=rf"^device must be {forms}; got float 1\.5$"):
         Courtesy(device=1.5)
     with pytest.raises(TypeError, match=r"offload must be 'cpu' or the path of a directory; got int 3"):
-        Courtesy(offload=3)
+        Courtesy(device="cpu", offload=3)
     with pytest.raises(
         ValueError, match=r"offload='cuda:1': tensors can only be offloaded to 'cpu' or to files"
     ):
-        Courtesy(offload="cuda:1")
+        Courtesy(device="cpu", offload="cuda:1")
     missing = tmp_path / "missing"
     with pytest.raises(ValueError, match=r"is neither 'cpu' nor an existing directory; create it first"):
         Courtesy(device="cpu", offload=missing)

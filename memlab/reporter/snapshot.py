@@ -1,7 +1,7 @@
 """What :class:`memlab.MemReporter` records, and two renderers of it: the text report and DataFrames.
 
-A :class:`MemorySnapshot` is plain data (names, shapes, byte counts), captured once and holding no
-tensor; the text report, ``to_dataframe()`` and :mod:`memlab.reporter_diff` all read the same records.
+A :class:`TensorSnapshot` is plain data (names, shapes, byte counts), captured once and holding no
+tensor; the text report, ``to_dataframe()`` and :mod:`memlab.reporter.diff` all read the same records.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, TextIO
 
+from memlab._devices import DeviceLike, parse_device
 from memlab._units import format_size
 
 if TYPE_CHECKING:
@@ -24,12 +25,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CATEGORIES",
-    "MemorySnapshot",
     "TensorRecord",
+    "TensorSnapshot",
+    "device_key",
     "device_matches",
     "device_order",
     "format_shape",
     "paused_gc",
+    "sizes_line",
 ]
 
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer state", "other")
@@ -47,10 +50,11 @@ class TensorRecord(NamedTuple):
 
     ``storage_bytes`` is the exact ``nbytes`` of the storage the tensor uses; ``memory`` is what the
     report counts for this row: the storage's bytes (rounded up to the CUDA allocator's 512 B blocks
-    on CUDA devices) for the row that owns the storage, ``0`` for a row that shares a storage owned
-    by the row named in ``shares_with``. Both are ``None`` when the size is symbolic or the storage
-    cannot be read. ``shape`` holds strings for symbolic sizes and is ``None`` for tensors without a
-    single shape (nested tensors) or refusing to give one (an uninitialized lazy parameter).
+    on CUDA devices, and on every device with ``device_model="cuda"``) for the row that owns the
+    storage, ``0`` for a row that shares a storage owned by the row named in ``shares_with``. Both
+    are ``None`` when the size is symbolic or the storage cannot be read. ``shape`` holds strings
+    for symbolic sizes and is ``None`` for tensors without a single shape (nested tensors) or
+    refusing to give one (an uninitialized lazy parameter).
     """
 
     name: str
@@ -96,11 +100,34 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
+def device_key(device: DeviceLike | None) -> str | None:
+    """``device`` as records name devices (read by :func:`memlab._devices.parse_device`): ``"cuda"``
+    without an index selects every CUDA device, ``None`` every device."""
+    return None if device is None else str(parse_device(device))
+
+
 def device_matches(device: str, wanted: str | None) -> bool:
     """Whether a record's ``device`` (``"cuda:0"``) is selected by ``wanted`` (``"cuda"`` = any index)."""
     if wanted is None:
         return True
     return device == wanted or (":" not in wanted and device.split(":", 1)[0] == wanted)
+
+
+def sizes_line(device_model: str | None, devices: Iterable[str]) -> str:
+    """The one line that says where the byte counts of a report showing ``devices`` come from.
+
+    ``device_model="cuda"``: modelled from the devices that are not CUDA devices, as the CUDA
+    caching allocator would round them; ``None``: storage bytes, in 512 B blocks on CUDA devices.
+    """
+    kinds = sorted({device.partition(":")[0] for device in devices})
+    if device_model == "cuda":
+        modelled = " and ".join(kind for kind in kinds if kind != "cuda")
+        if modelled:
+            return f"sizes: as the CUDA caching allocator would round them (modelled from {modelled} tensors)"
+        return "sizes: as the CUDA caching allocator rounds them (memlab.MemReporter)"
+    if "cuda" in kinds:
+        return "sizes: storage bytes found through gc, in 512 B blocks on cuda (memlab.MemReporter)"
+    return "sizes: storage bytes found through gc (memlab.MemReporter)"
 
 
 def device_order(device: str) -> tuple[str, int]:
@@ -110,51 +137,59 @@ def device_order(device: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class MemorySnapshot:
+class TensorSnapshot:
     """The tensors ``gc`` could reach at one moment, named and grouped by storage; no tensor is held.
 
     ``records`` are in report order (parameters each followed by their gradient, buffers, optimizer
     state, then other tensors by their ``TensorN`` number). ``allocated`` maps a device to the bytes a
     memory source reported as allocated there at the same moment and the source's name (only for
     devices where one knows it: ``torch.cuda`` on CUDA devices, a :class:`memlab.TensorTracker` or
-    the ``source`` passed to the reporter elsewhere).
+    the ``source`` passed to the reporter elsewhere). ``device_model`` is the reporter's: ``"cuda"``
+    when every storage was counted as the CUDA caching allocator would round it.
     """
 
     records: tuple[TensorRecord, ...]
     allocated: dict[str, tuple[int, str]] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.time)
+    device_model: str | None = None
 
     @property
     def devices(self) -> list[str]:
         """Devices with at least one record, in report order (``cpu``, ``cuda:0``, ``cuda:1``, ``meta``)."""
         return sorted(set(map(_DEVICE, self.records)), key=device_order)
 
-    def select(self, device: str | None = None, verbose: bool = True) -> list[TensorRecord]:
+    def select(self, device: DeviceLike | None = None, verbose: bool = True) -> list[TensorRecord]:
         """Records on ``device`` (``None`` = all, ``"cuda"`` = every CUDA device); with
         ``verbose=False`` only the rows that own a storage (rows sharing one are left out)."""
         records: Iterable[TensorRecord] = self.records
-        if device is not None:
-            records = [r for r in records if device_matches(r.device, device)]
+        wanted = device_key(device)
+        if wanted is not None:
+            records = [r for r in records if device_matches(r.device, wanted)]
         if verbose:
             return list(records)
         return list(itertools.compress(records, map(operator.not_, map(_SHARES_WITH, records))))
 
-    def used_memory(self, device: str) -> int:
-        """Bytes counted on ``device``: each storage once, rounded to 512 B blocks on CUDA devices."""
-        return sum(r.memory for r in self.records if r.device == device and r.memory is not None)
+    def used_memory(self, device: DeviceLike) -> int:
+        """Bytes counted on ``device`` (``"cuda"``: every CUDA device): each storage once, as
+        :attr:`TensorRecord.memory` counts it; storages of unknown size are left out."""
+        return sum(filter(None, map(_MEMORY, self.select(device, verbose=False))))
 
-    def report(self, verbose: bool = False, device: str | None = None, stream: TextIO | None = None) -> None:
+    def report(
+        self, verbose: bool = False, device: DeviceLike | None = None, stream: TextIO | None = None
+    ) -> None:
         """Write the pytorch_memlab-style text report to ``stream`` (default: ``sys.stdout`` now)."""
         with paused_gc():
             text = self.render(verbose=verbose, device=device)
         print(text, file=sys.stdout if stream is None else stream)
 
-    def render(self, verbose: bool = False, device: str | None = None) -> str:
-        """The text report: a header, one block per device, totals and the allocator's view.
+    def render(self, verbose: bool = False, device: DeviceLike | None = None) -> str:
+        """The text report: a header, one block per device, totals and the allocator's view, and
+        the line that says where the sizes come from (:func:`sizes_line`).
 
         With ``verbose=False`` a storage shared by several tensors appears once, under its owner's
         name; with ``verbose=True`` every sharer is listed too, as ``name(->owner)`` with ``0.00B``.
         """
+        device = device_key(device)
         records = self.select(device, verbose)
         # Sizes and byte counts repeat: format each distinct one once (C-level passes over the rows).
         shapes, memories = list(map(_SHAPE, records)), list(map(_MEMORY, records))
@@ -188,16 +223,18 @@ class MemorySnapshot:
             out += [rule, *_device_footer(self, dev, owners), rule]
         if len(out) == 1:
             out += [rule, "No tensors" + ("" if device is None else f" on {device}"), rule]
+        out.append(sizes_line(self.device_model, shown))
         return "\n".join(out)
 
-    def to_dataframe(self, verbose: bool = False, device: str | None = None) -> pd.DataFrame:
+    def to_dataframe(self, verbose: bool = False, device: DeviceLike | None = None) -> pd.DataFrame:
         """The report's rows as a DataFrame, one row per listed tensor.
 
         Columns: ``device``, ``name``, ``category`` (one of :data:`CATEGORIES`), ``shape`` (a
         tuple, ``None`` without a single shape), ``dtype``, ``numel``, ``memory`` (bytes counted, as in
         the report), ``storage_bytes`` (exact bytes of the storage) and ``shares_with`` (the
         owner's name for rows sharing its storage, else ``None``). Byte and element counts are
-        nullable integers (``Int64``): unknown sizes are ``<NA>``.
+        nullable integers (``Int64``): unknown sizes are ``<NA>``. ``frame.attrs["sizes"]`` holds
+        the report's line saying where the sizes come from.
         """
         import pandas as pd
 
@@ -218,14 +255,16 @@ class MemorySnapshot:
         ]
         frame = pd.DataFrame(data, columns=[*columns, "shares_with"])
         # Nullable integers: bytes stay exact integers, unknown sizes are <NA> (never NaN floats).
-        return frame.astype({"numel": "Int64", "memory": "Int64", "storage_bytes": "Int64"})
+        frame = frame.astype({"numel": "Int64", "memory": "Int64", "storage_bytes": "Int64"})
+        frame.attrs["sizes"] = sizes_line(self.device_model, set(frame["device"]))
+        return frame
 
 
 def _memory_text(memory: int | None) -> str:
     return "?" if memory is None else format_size(memory)
 
 
-def _device_footer(snapshot: MemorySnapshot, device: str, owners: list[TensorRecord]) -> list[str]:
+def _device_footer(snapshot: TensorSnapshot, device: str, owners: list[TensorRecord]) -> list[str]:
     """Totals over ``owners`` (the records owning a storage on ``device``) and the allocator's view."""
     memories = list(map(_MEMORY, owners))
     unknown = memories.count(None)
@@ -244,18 +283,18 @@ def _device_footer(snapshot: MemorySnapshot, device: str, owners: list[TensorRec
         allocated, source = snapshot.allocated[device]
         lines.append(f"The allocated memory on {device}: {format_size(allocated)}")
         if allocated != used:
-            lines.append(_explain_difference(device, allocated, used, source))
+            lines.append(_explain_difference(device, allocated, used, source, snapshot.device_model))
     return lines
 
 
-def _explain_difference(device: str, allocated: int, used: int, source: str) -> str:
+def _explain_difference(device: str, allocated: int, used: int, source: str, device_model: str | None) -> str:
     gap = format_size(abs(allocated - used))
     if allocated > used:
         why = "memory gc cannot see (autograd's saved tensors, C++-held buffers, kernel workspaces)"
         if device.startswith("cuda") or source != "torch.cuda":
             why += " or allocator blocks larger than the requests"
         return f"{source} reports {gap} more than the tensors above: {why}"
-    return (
-        f"{source} reports {gap} less than the tensors above: it does not count storages that "
-        "existed before it started or were allocated outside it"
-    )
+    why = "it does not count storages that existed before it started or were allocated outside it"
+    if device_model == "cuda" and not device.startswith("cuda"):
+        why += ", or counts exact bytes where the sizes above are modelled"
+    return f"{source} reports {gap} less than the tensors above: {why}"

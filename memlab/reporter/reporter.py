@@ -1,8 +1,8 @@
 """MemReporter: name every tensor ``gc`` can reach and say how much memory its storage takes.
 
 This module finds tensors (walking ``gc``) and names them from a model and optimizers;
-:mod:`memlab.reporter_records` turns them into records, one storage counted once;
-:mod:`memlab.reporter_snapshot` holds and renders them; :mod:`memlab.reporter_diff` compares two.
+:mod:`~memlab.reporter.records` turns them into records, one storage counted once;
+:mod:`~memlab.reporter.snapshot` holds and renders them; :mod:`~memlab.reporter.diff` compares two.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 import torch
 
-from memlab.reporter_diff import SnapshotDiff
-from memlab.reporter_records import DenseTensors, build_records
-from memlab.reporter_snapshot import MemorySnapshot, TensorRecord, paused_gc
+from memlab._devices import DeviceLike
+from memlab._tensors import reachable_tensors
+from memlab.reporter.diff import SnapshotDiff
+from memlab.reporter.records import DEVICE_MODELS, DenseTensors, build_records
+from memlab.reporter.snapshot import TensorRecord, TensorSnapshot, device_key, paused_gc
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["AllocatedMemorySource", "MemReporter", "reachable_tensors"]
+__all__ = ["AllocatedMemorySource", "MemReporter"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
@@ -36,7 +38,7 @@ _ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
 class AllocatedMemorySource(Protocol):
     """Anything that knows the bytes allocated on a device (e.g. :class:`memlab.TensorTracker`)."""
 
-    def memory_allocated(self, device: torch.device | str | int | None = None) -> int: ...
+    def memory_allocated(self, device: DeviceLike | None = None) -> int: ...
 
 
 class MemReporter:
@@ -53,18 +55,27 @@ class MemReporter:
     unreachable reference cycles are freed rather than reported.
 
     Bytes are each storage's ``nbytes``: exact on ``cpu`` and ``meta`` (where nothing is
-    allocated), rounded up to the CUDA allocator's 512 B blocks on CUDA devices. What it cannot see:
+    allocated), rounded up as the CUDA caching allocator rounds requests on CUDA devices (to
+    512 B blocks: 1..512 B take 512 B; an empty storage takes 0). ``device_model="cuda"`` rounds
+    every storage that way, whatever its device, so that a run on ``cpu`` or ``meta`` shows the
+    sizes a GPU would: the totals then match the line profiler's modelled numbers
+    (:class:`memlab.TensorTracker` with ``allocator="cuda"``) for the same live tensors, except
+    where the allocator hands out a whole cached block larger than the request. Each text report
+    ends with a ``sizes:`` line saying which of the two it shows. What it cannot see:
     tensors without a Python object that ``gc`` tracks, in particular autograd's saved tensors,
     buffers held by C++ (cuDNN/cuBLAS workspaces, NCCL, C++ extensions), the CUDA context, and the
     allocator's cached but unused memory. The ``allocated memory`` line, where a memory source knows
     it, shows the difference.
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, pre_collect: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module | None = None, pre_collect: bool = False, device_model: str | None = None
+    ) -> None:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"model must be a torch.nn.Module or None, got {type(model).__name__} {model!r:.80}"
             )
+        self.device_model = _check_device_model(device_model)
         self._model = None if model is None else weakref.ref(model)
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.pre_collect = bool(pre_collect)
@@ -88,7 +99,7 @@ class MemReporter:
     def report(
         self,
         verbose: bool = False,
-        device: torch.device | str | int | None = None,
+        device: DeviceLike | None = None,
         stream: TextIO | None = None,
         source: AllocatedMemorySource | None = None,
     ) -> None:
@@ -102,29 +113,27 @@ class MemReporter:
         sharing another's storage as ``name(->owner)`` with ``0.00B``. Writes to ``stream``
         (default ``sys.stdout`` at call time). No reference to any tensor is kept afterwards.
         """
-        wanted = _device_filter(device)
+        wanted = device_key(device)
         with paused_gc():  # the records die before a collection could traverse them
             self._snapshot(source, dtypes=False).report(verbose=verbose, device=wanted, stream=stream)
 
-    def to_dataframe(
-        self, verbose: bool = False, device: torch.device | str | int | None = None
-    ) -> pd.DataFrame:
-        """The rows :meth:`report` would print, as a DataFrame (see :meth:`MemorySnapshot.to_dataframe`)."""
-        wanted = _device_filter(device)
+    def to_dataframe(self, verbose: bool = False, device: DeviceLike | None = None) -> pd.DataFrame:
+        """The rows :meth:`report` would print, as a DataFrame (see :meth:`TensorSnapshot.to_dataframe`)."""
+        wanted = device_key(device)
         with paused_gc():
             return self._snapshot(None).to_dataframe(verbose=verbose, device=wanted)
 
-    def snapshot(self, source: AllocatedMemorySource | None = None) -> MemorySnapshot:
+    def snapshot(self, source: AllocatedMemorySource | None = None) -> TensorSnapshot:
         """Record every reachable tensor now, as plain data; see :meth:`report` for what it can see."""
         with paused_gc():
             return self._snapshot(source)
 
-    def diff(self, before: MemorySnapshot, after: MemorySnapshot | None = None) -> SnapshotDiff:
+    def diff(self, before: TensorSnapshot, after: TensorSnapshot | None = None) -> SnapshotDiff:
         """What appeared, disappeared, grew or shrank from ``before`` to ``after`` (default: now)."""
         return SnapshotDiff.between(before, self.snapshot() if after is None else after)
 
     # -- collection --------------------------------------------------------------------------
-    def _snapshot(self, source: AllocatedMemorySource | None, dtypes: bool = True) -> MemorySnapshot:
+    def _snapshot(self, source: AllocatedMemorySource | None, dtypes: bool = True) -> TensorSnapshot:
         if source is not None and not callable(getattr(source, "memory_allocated", None)):
             raise TypeError(
                 "source must have a memory_allocated(device) method (e.g. a memlab.TensorTracker), "
@@ -133,7 +142,7 @@ class MemReporter:
         if self.pre_collect:
             gc.collect()
         records = self._collect_records(dtypes)
-        return MemorySnapshot(tuple(records), _allocated(records, source))
+        return TensorSnapshot(tuple(records), _allocated(records, source), device_model=self.device_model)
 
     def _collect_records(self, dtypes: bool) -> list[TensorRecord]:
         named: dict[int, tuple[torch.Tensor, str, str]] = {}
@@ -171,7 +180,7 @@ class MemReporter:
                 labels.append(name)
                 categories.append(category)
         del anonymous
-        return build_records(tensors, labels, categories, dtypes, dense)
+        return build_records(tensors, labels, categories, dtypes, dense, self.device_model)
 
     def _name_model_tensors(self, named: dict[int, tuple[torch.Tensor, str, str]]) -> None:
         model = None if self._model is None else self._model()
@@ -249,30 +258,6 @@ def _with_gradients(
             yield grads[id(tensor)], f"{name}.grad", "gradient"
 
 
-def reachable_tensors() -> list[torch.Tensor]:
-    """Every tensor object ``gc`` tracks, any device (weak proxies are skipped: they are not tensors).
-
-    Tensors whose Python object was never created (a ``.grad`` made by autograd and not yet read,
-    the base of a view, autograd's saved tensors) are not among them.
-    """
-    tensor_types = _tensor_classes()  # every live object's class is a live class: all of them
-    objects = gc.get_objects()
-    found = list(itertools.compress(objects, map(tensor_types.__contains__, map(type, objects))))  # in C
-    del objects
-    return found
-
-
-def _tensor_classes() -> set[type]:
-    """``torch.Tensor`` and every class defined so far that derives from it."""
-    classes, unvisited = {torch.Tensor}, [torch.Tensor]
-    while unvisited:
-        for subclass in type.__subclasses__(unvisited.pop()):
-            if subclass not in classes:
-                classes.add(subclass)
-                unvisited.append(subclass)
-    return classes
-
-
 def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """``id(owner) -> grad`` for every leaf tensor with a ``.grad``; each gradient listed once."""
     grads: dict[int, torch.Tensor] = {}
@@ -288,22 +273,14 @@ def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     return grads
 
 
-def _device_filter(device: torch.device | str | int | None) -> str | None:
-    """``device`` as the string records are keyed by; ``"cuda"`` (no index) selects every CUDA device."""
-    if device is None:
-        return None
-    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(
-            "device must be a torch.device, a string such as 'cpu', 'meta', 'cuda' or 'cuda:1', "
-            f"a CUDA index, or None; got {type(device).__name__} {device!r}"
-        )
-    try:
-        return str(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
-    except RuntimeError as error:
-        raise ValueError(
-            f"{device!r} is not a device; valid forms are 'cpu', 'meta', 'cuda', 'cuda:1', "
-            "an int CUDA index, a torch.device, or None"
-        ) from error
+def _check_device_model(device_model: object) -> str | None:
+    """``device_model`` if it is one of :data:`~memlab.reporter.records.DEVICE_MODELS`."""
+    valid = "None (each device's own sizes) or 'cuda' (sizes as the CUDA caching allocator rounds them)"
+    if device_model is not None and not isinstance(device_model, str):
+        raise TypeError(f"device_model must be {valid}; got {type(device_model).__name__} {device_model!r}")
+    if device_model not in DEVICE_MODELS:
+        raise ValueError(f"device_model must be {valid}; got {device_model!r}")
+    return device_model
 
 
 def _allocated(

@@ -1,4 +1,7 @@
-"""From tensors to :class:`~memlab.reporter_snapshot.TensorRecord` s: storage identity and bytes.
+"""From tensors to :class:`~memlab.reporter.snapshot.TensorRecord` s: storage identity and bytes.
+
+A storage counts its ``nbytes``, rounded as the CUDA caching allocator rounds requests where it
+lives on a CUDA device or where the report models one (``device_model="cuda"``).
 
 Tensors sharing a storage (the ``UntypedStorage`` object, never ``data_ptr``: every ``meta`` tensor
 has data pointer 0) are grouped; the first one seen owns the storage's bytes, the others share them.
@@ -13,26 +16,30 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memlab.reporter_snapshot import TensorRecord
+from memlab._tensors import parts
+from memlab.reporter.snapshot import TensorRecord
 from memlab.sources.allocator.config import round_size
 
-__all__ = ["DenseTensors", "RecordBuilder", "build_records", "cuda_block_bytes"]
+__all__ = [
+    "DEVICE_MODELS",
+    "DenseTensors",
+    "DeviceTexts",
+    "RecordBuilder",
+    "build_records",
+    "cuda_block_bytes",
+]
 
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Unbound C methods and getters, so that a map() over every tensor runs without a Python frame.
 _UNTYPED_STORAGE, _NBYTES = torch.Tensor.untyped_storage, torch.UntypedStorage.nbytes
 _FIELDS = operator.attrgetter("shape", "is_cpu", "dtype", "requires_grad")
 _FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(index) for index in range(4))
 _CHUNK = 256  # tensors read at a time: see DenseTensors.read
+
+
+#: The values of ``device_model``: ``None`` (each device as it is) and the devices that can be modelled.
+DEVICE_MODELS = (None, "cuda")
 
 
 def cuda_block_bytes(nbytes: int) -> int:
@@ -42,23 +49,6 @@ def cuda_block_bytes(nbytes: int) -> int:
     nothing. Whole-block hand-outs and ``roundup_power2_divisions`` are not modelled here.
     """
     return round_size(nbytes) if nbytes else 0
-
-
-def _parts(tensor: torch.Tensor, name: str) -> Iterator[tuple[torch.Tensor, str]]:
-    """The storage-holding tensors behind ``tensor``: itself, or a sparse / wrapper tensor's parts."""
-    if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        for attr in attrs:
-            inner = getattr(tensor, attr)
-            if isinstance(inner, torch.Tensor):
-                yield from _parts(inner, f"{name}.{attr}")
-        return
-    accessors = _SPARSE_PARTS.get(tensor.layout)
-    if accessors is None:
-        yield tensor, name
-        return
-    for accessor in accessors:
-        yield getattr(tensor, accessor)(), f"{name}.{accessor.lstrip('_')}"
 
 
 class DenseTensors(NamedTuple):
@@ -113,8 +103,10 @@ def build_records(
     categories: list[str | None],
     dtypes: bool,
     dense: DenseTensors | None = None,
+    device_model: str | None = None,
 ) -> list[TensorRecord]:
-    """The records :meth:`RecordBuilder.add_plain` makes of ``zip(tensors, names, categories)``.
+    """The records :meth:`RecordBuilder.add_plain` makes of ``zip(tensors, names, categories)``;
+    ``device_model="cuda"`` rounds every storage's bytes as the CUDA caching allocator would.
 
     When every tensor is a dense ``torch.Tensor`` or ``nn.Parameter`` (the common case), they are
     computed column by column, each column one C-level pass over all tensors, from ``dense`` (the
@@ -123,7 +115,7 @@ def build_records(
     if dense is None:
         dense = DenseTensors.read(tensors)
     if dense is None:
-        builder = RecordBuilder(dtypes)
+        builder = RecordBuilder(dtypes, device_model)
         builder.add_plain(zip(tensors, names, categories, strict=True))
         return builder.records
     storages, storage_bytes, fields = dense
@@ -136,10 +128,13 @@ def build_records(
     for index in itertools.compress(range(count), map(operator.ne, owner_index, range(count))):
         memory[index] = 0
         shares_with[index] = names[owner_index[index]]
+    modelled = device_model == "cuda"
+    if modelled:
+        memory = list(map(cuda_block_bytes, memory))
     devices: Iterable[str] = itertools.repeat("cpu", count)
     is_cpu = list(map(_SECOND, fields))
     if not all(is_cpu):
-        devices = _devices(storages, is_cpu, memory)
+        devices = _devices(storages, is_cpu, None if modelled else memory, DeviceTexts(modelled))
     dtype_texts: Iterable[str] = itertools.repeat("", count)
     if dtypes:
         dtype_objects = list(map(_THIRD, fields))
@@ -152,39 +147,53 @@ def build_records(
     return list(map(tuple.__new__, itertools.repeat(TensorRecord), columns))  # NamedTuple._make in C
 
 
-def _devices(storages: list[torch.UntypedStorage], is_cpu: list[bool], memory: list[int]) -> list[str]:
-    """Device strings of ``storages`` (not all on the CPU); CUDA rows of ``memory`` rounded to blocks."""
+def _devices(
+    storages: list[torch.UntypedStorage], is_cpu: list[bool], memory: list[int] | None, texts: DeviceTexts
+) -> list[str]:
+    """Device strings of ``storages`` (not all on the CPU); the rows of ``memory``, if given, on
+    devices that count in allocator blocks are rounded to them."""
     devices = ["cpu"] * len(storages)
-    texts: dict[torch.device, tuple[str, bool]] = {}
     for index in itertools.compress(range(len(storages)), map(operator.not_, is_cpu)):
-        device = storages[index].device
-        text = texts.get(device)
-        if text is None:
-            text = texts[device] = (str(device), device.type == "cuda")
-        devices[index] = text[0]
-        if text[1]:
+        devices[index], rounds = texts[storages[index].device]
+        if rounds and memory is not None:
             memory[index] = cuda_block_bytes(memory[index])
     return devices
+
+
+class DeviceTexts(dict[torch.device, tuple[str, bool]]):
+    """``torch.device -> (its text, whether its storages count in CUDA allocator blocks)``, filled
+    on first use: every CUDA device does, and every device when the report models one."""
+
+    def __init__(self, modelled: bool) -> None:
+        super().__init__()
+        self.modelled = modelled
+
+    def __missing__(self, device: torch.device) -> tuple[str, bool]:
+        entry = self[device] = (str(device), self.modelled or device.type == "cuda")
+        return entry
 
 
 class RecordBuilder:
     """Turns tensors into records; the first tensor seen on a storage owns it, later ones share it.
 
-    ``dtypes=False`` leaves ``dtype`` empty (the text report does not print it). The builder holds
-    the storages it has seen, so that their ``id`` stays unique: drop it when done.
+    ``dtypes=False`` leaves ``dtype`` empty (the text report does not print it);
+    ``device_model="cuda"`` rounds every storage as the CUDA caching allocator would, whatever its
+    device. The builder holds the storages it has seen, so that their ``id`` stays unique: drop it
+    when done.
     """
 
-    def __init__(self, dtypes: bool) -> None:
+    def __init__(self, dtypes: bool, device_model: str | None = None) -> None:
         self.with_dtypes = dtypes
+        self.modelled = device_model == "cuda"
         self.records: list[TensorRecord] = []
         self.owners: dict[int, tuple[torch.UntypedStorage, str, int | None, str]] = {}
-        self.devices: dict[torch.device, tuple[str, bool]] = {}
+        self.devices = DeviceTexts(self.modelled)
         self.dtypes: dict[torch.dtype, str] = {}
 
     def add_plain(self, tensors: Iterable[tuple[torch.Tensor, str, str | None]]) -> None:
         """The hot loop for ``torch.Tensor`` and ``nn.Parameter``; other tensors go to :meth:`add`."""
         append, make = self.records.append, tuple.__new__  # a record without NamedTuple's overhead
-        owners, devices, dtypes, with_dtypes = self.owners, self.devices, self.dtypes, self.with_dtypes
+        owners, dtypes, with_dtypes, modelled = self.owners, self.dtypes, self.with_dtypes, self.modelled
         plain_types, record, object_id, kind = _PLAIN_TYPES, TensorRecord, id, type
         for tensor, name, category in tensors:
             if kind(tensor) not in plain_types:
@@ -209,24 +218,23 @@ class RecordBuilder:
             nbytes = storage.nbytes()
             if tensor.is_cpu:  # the common case, without hashing a torch.device
                 owners[key] = (storage, "cpu", nbytes, name)
-                append(make(record, (name, category, "cpu", shape, dtype, nbytes, nbytes, None)))
+                memory = cuda_block_bytes(nbytes) if modelled else nbytes
+                append(make(record, (name, category, "cpu", shape, dtype, nbytes, memory, None)))
                 continue
-            device = devices.get(storage.device)
-            if device is None:
-                device = devices[storage.device] = (str(storage.device), storage.device.type == "cuda")
-            owners[key] = (storage, device[0], nbytes, name)
-            memory = cuda_block_bytes(nbytes) if device[1] else nbytes
-            append(make(record, (name, category, device[0], shape, dtype, nbytes, memory, None)))
+            device, rounds = self.devices[storage.device]
+            owners[key] = (storage, device, nbytes, name)
+            memory = cuda_block_bytes(nbytes) if rounds else nbytes
+            append(make(record, (name, category, device, shape, dtype, nbytes, memory, None)))
 
     def add(self, top: torch.Tensor, top_name: str, category: str | None) -> None:
         """Any tensor: sparse and wrapper tensors by their parts; symbolic or unreadable sizes as unknown."""
         if category is None:  # an unnamed subclass instance
             category = "parameter" if isinstance(top, torch.nn.Parameter) else "other"
         try:
-            parts = list(_parts(top, top_name))
+            found = list(parts(top, top_name))
         except Exception:  # a subclass that refuses to be flattened: list it, size unknown
-            parts = [(top, top_name)]
-        for tensor, name in parts:
+            found = [(top, top_name)]
+        for tensor, name in found:
             dtype = str(tensor.dtype).removeprefix("torch.")
             try:
                 shape: tuple[int | str, ...] | None = tuple(
@@ -247,12 +255,10 @@ class RecordBuilder:
                     TensorRecord(name, category, owner[1], shape, dtype, owner[2], 0, owner[3])
                 )
                 continue
-            device = str(storage.device)
+            device, rounds = self.devices[storage.device]
             nbytes = storage.nbytes()
             if not isinstance(nbytes, int):  # symbolic
                 nbytes = None
-            memory = (
-                cuda_block_bytes(nbytes) if nbytes is not None and storage.device.type == "cuda" else nbytes
-            )
+            memory = cuda_block_bytes(nbytes) if nbytes is not None and rounds else nbytes
             self.owners[id(storage)] = (storage, device, nbytes, name)
             self.records.append(TensorRecord(name, category, device, shape, dtype, nbytes, memory))

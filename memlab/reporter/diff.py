@@ -10,16 +10,19 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from memlab._devices import DeviceLike
 from memlab._units import format_size
-from memlab.reporter_snapshot import (
+from memlab.reporter.snapshot import (
     NAME_WIDTH,
     RULE,
     SIZE_WIDTH,
-    MemorySnapshot,
     TensorRecord,
+    TensorSnapshot,
+    device_key,
     device_matches,
     device_order,
     format_shape,
+    sizes_line,
 )
 
 if TYPE_CHECKING:
@@ -52,22 +55,28 @@ class DiffEntry:
 
 @dataclass(frozen=True)
 class SnapshotDiff:
-    """What appeared, disappeared, grew or shrank between two :class:`MemorySnapshot` s.
+    """What appeared, disappeared, grew or shrank between two :class:`TensorSnapshot` s.
 
     Tensors are matched by device and name: parameters, buffers, gradients and optimizer state by
     their names (a gradient replaced by a new tensor of the same size is no change), other tensors
     by the ``TensorN`` name a reporter keeps for the same tensor object while it lives. Bytes are
-    those the report counts (each storage once, under its owner). Tensors whose size is symbolic
-    only appear or disappear.
+    those the report counts (each storage once, under its owner), so both snapshots must come from
+    reporters with the same ``device_model``. Tensors whose size is symbolic only appear or disappear.
     """
 
-    before: MemorySnapshot
-    after: MemorySnapshot
+    before: TensorSnapshot
+    after: TensorSnapshot
     entries: tuple[DiffEntry, ...]
 
     @classmethod
-    def between(cls, before: MemorySnapshot, after: MemorySnapshot) -> SnapshotDiff:
-        """Compare ``before`` with the later ``after``."""
+    def between(cls, before: TensorSnapshot, after: TensorSnapshot) -> SnapshotDiff:
+        """Compare ``before`` with the later ``after``; ``ValueError`` if they count bytes differently
+        (one taken with ``device_model="cuda"``, the other without)."""
+        if before.device_model != after.device_model:
+            raise ValueError(
+                f"cannot compare a snapshot taken with device_model={before.device_model!r} with one "
+                f"taken with device_model={after.device_model!r}: they count bytes differently"
+            )
         old = {(r.device, r.name): r for r in before.records}
         new = {(r.device, r.name): r for r in after.records}
         entries = []
@@ -106,12 +115,15 @@ class SnapshotDiff:
         """Tensors counted with fewer bytes in the later snapshot."""
         return self._of("shrank")
 
-    def memory_change(self, device: str | None = None) -> int:
+    def memory_change(self, device: DeviceLike | None = None) -> int:
         """Change in counted bytes on ``device`` (``None`` = all devices, ``"cuda"`` = all CUDA)."""
-        return sum(e.delta for e in self.entries if device_matches(e.device, device))
+        wanted = device_key(device)
+        return sum(e.delta for e in self.entries if device_matches(e.device, wanted))
 
-    def render(self, device: str | None = None) -> str:
-        """The diff as text: one block per device, one line per changed tensor, then counts."""
+    def render(self, device: DeviceLike | None = None) -> str:
+        """The diff as text: one block per device, one line per changed tensor, counts, and the line
+        that says where the sizes come from."""
+        device = device_key(device)
         entries = [e for e in self.entries if device_matches(e.device, device)]
         width = max([NAME_WIDTH - 12, *(len(e.name) + 2 for e in entries)])
         line = f"{{:<12s}}{{:<{width}s}}{{:>{SIZE_WIDTH}s}}{{:>10s}}{{:>10s}}{{:>10s}}"
@@ -131,9 +143,10 @@ class SnapshotDiff:
             f"{c.capitalize()}: {len(self._of(c))}" for c in ("appeared", "disappeared", "grew", "shrank")
         )
         out.append(f"{counts}  Used Memory change: {_signed(self.memory_change(device))}")
+        out.append(sizes_line(self.after.device_model, (e.device for e in entries)))
         return "\n".join(out)
 
-    def report(self, device: str | None = None, stream: TextIO | None = None) -> None:
+    def report(self, device: DeviceLike | None = None, stream: TextIO | None = None) -> None:
         """Write :meth:`render` to ``stream`` (default: ``sys.stdout`` at call time)."""
         print(self.render(device), file=sys.stdout if stream is None else stream)
 
