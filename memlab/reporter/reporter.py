@@ -286,18 +286,16 @@ def _check_device_model(device_model: object) -> str | None:
 def _allocated(
     records: list[TensorRecord], source: AllocatedMemorySource | None
 ) -> dict[str, tuple[int, str]]:
-    """Bytes a memory source reports as allocated on each device that has records."""
-    explicit = source is not None
-    if source is None:
-        from memlab.sources.tracker import active_tracker
+    """Bytes a memory source reports as allocated on each device that has records: ``source`` if
+    given, else the source already measuring that device (:func:`memlab.sources.select.open_source`:
+    ``torch.cuda`` for a GPU that exists, the active tracker elsewhere)."""
+    from memlab.sources.cuda import CudaSource
+    from memlab.sources.select import open_source
 
-        source = active_tracker()
-    label = "the memory source" if source is None else type(source).__name__
     allocated = {}
     for device in set(map(_DEVICE, records)):
-        if device.startswith("cuda") and not explicit:
-            if torch.cuda.is_available():  # a CUDA tensor exists, so CUDA is already initialised
-                allocated[device] = (torch.cuda.memory_allocated(device), "torch.cuda")
-        elif source is not None:
-            allocated[device] = (int(source.memory_allocated(device)), label)
+        measuring = source if source is not None else open_source(torch.device(device))
+        if measuring is not None:
+            label = "torch.cuda" if isinstance(measuring, CudaSource) else type(measuring).__name__
+            allocated[device] = (int(measuring.memory_allocated(device)), label)
     return allocated

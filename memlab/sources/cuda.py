@@ -40,6 +40,10 @@ class CudaSource:
         """``torch.cuda.memory_stats(device)``: bytes for ``*_bytes.*`` keys, counts otherwise."""
         return dict(torch.cuda.memory_stats(self._device(device)))
 
+    def memory_allocated(self, device: torch.device | str | int | None = None) -> int:
+        """Bytes allocated to tensors now (``torch.cuda.memory_allocated``)."""
+        return int(torch.cuda.memory_allocated(self._device(device)))
+
     def sampler(
         self, keys: Sequence[str], device: torch.device | str | int | None = None
     ) -> Callable[[], tuple[int, ...]]:
