@@ -1,7 +1,9 @@
 """What users type to the magics and the ``memlab`` command, checked: columns and devices.
 
-Errors are ``ValueError`` with a one-line message that says what would have been valid; the
-callers turn them into an IPython ``UsageError`` or a command-line error.
+Columns are checked by :func:`memlab.line_profiler.records.validate_columns` and devices read by
+:mod:`memlab._devices`, as in the Python API; this module adds the command-line wording. Errors are
+``ValueError`` with a one-line message that says what would have been valid; the callers turn them
+into an IPython ``UsageError`` or a command-line error.
 """
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+import torch
+
+from memlab._devices import parse_device, require_usable
 from memlab.line_profiler import DEFAULT_COLUMNS
-from memlab.line_profiler.records import EXTRA_COLUMNS
+from memlab.line_profiler.records import EXTRA_COLUMNS, TIME, validate_columns
 from memlab.sources.stats import STAT_KEYS
 
-__all__ = ["columns_shown", "device_argument"]
+__all__ = ["columns_shown", "measured_device"]
 
 
 def _valid_columns() -> str:
@@ -23,7 +28,7 @@ def _valid_columns() -> str:
     pools = {k.split(".")[1]: None for k in STAT_KEYS if k.count(".") == 2}
     metrics = {k.split(".")[2]: None for k in STAT_KEYS if k.count(".") == 2}
     return (
-        f"{', '.join(EXTRA_COLUMNS)}; <stat>.<pool>.<metric> with stat {'/'.join(families)}, "
+        f"{', '.join((*EXTRA_COLUMNS, TIME))}; <stat>.<pool>.<metric> with stat {'/'.join(families)}, "
         f"pool {'/'.join(pools)}, metric {'/'.join(metrics)}; or {', '.join(others)}"
     )
 
@@ -31,20 +36,28 @@ def _valid_columns() -> str:
 def columns_shown(no_defaults: bool, extra: Iterable[str]) -> tuple[str, ...]:
     """The columns to show: the defaults (unless ``no_defaults``) then ``extra``, each once.
 
-    Raises ``ValueError`` for an unknown name (suggesting the closest valid one) or for no column.
+    Accepts what :func:`~memlab.line_profiler.records.validate_columns` accepts (the keys of
+    ``torch.cuda.memory_stats()``, ``hits``, ``delta`` and ``time``). Raises ``ValueError`` for an
+    unknown name (suggesting the closest valid one) or for no column.
     """
     columns = tuple(dict.fromkeys([*(() if no_defaults else DEFAULT_COLUMNS), *extra]))
     if not columns:
         raise ValueError("-D hides the default columns: name at least one column with -c COL")
-    valid = (*EXTRA_COLUMNS, *STAT_KEYS)
     for column in columns:
-        if column not in valid:
-            close = difflib.get_close_matches(column, valid, n=1)
+        try:
+            validate_columns(column)
+        except ValueError:
+            close = difflib.get_close_matches(column, (*EXTRA_COLUMNS, TIME, *STAT_KEYS), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown column {column!r}{hint}; valid columns: {_valid_columns()}")
+            raise ValueError(f"unknown column {column!r}{hint}; valid columns: {_valid_columns()}") from None
     return columns
 
 
-def device_argument(text: str) -> int | str:
-    """A device as typed: a CUDA index (``"0"`` -> ``0``) or a device string (``cpu``, ``cuda:1``)."""
-    return int(text) if text.isdigit() else text
+def measured_device(text: str, option: str) -> torch.device:
+    """The device ``option`` (``-g``) names for measuring, read by :func:`memlab._devices.parse_device`.
+
+    A CUDA device need not exist here (without it the profiler models one on the default device);
+    any other device must be one this torch can use (:func:`memlab._devices.require_usable`).
+    """
+    device = parse_device(text, name=option)
+    return device if device.type == "cuda" else require_usable(device, name=option)

@@ -22,7 +22,8 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from memlab._arguments import columns_shown, device_argument
+from memlab._arguments import columns_shown, measured_device
+from memlab._devices import parse_device
 from memlab._function_lookup import MISSING, FunctionName, code_function, codes_named, lookup
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler
 from memlab.reporter import MemReporter
@@ -253,9 +254,9 @@ class MemlabMagics(Magics):
         except ValueError as error:
             raise UsageError(str(error)) from None
         try:
-            profiler = LineProfiler(target_gpu=device_argument(args.gpu), columns=columns)
-        except (TypeError, ValueError) as error:
-            raise UsageError(f"-g {args.gpu}: {error}") from None
+            profiler = LineProfiler(target_gpu=measured_device(args.gpu, "-g"), columns=columns)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         namespace = _namespace(self.shell.user_ns, local_ns)
         code = _Cell(self.shell, statement)
         functions = _Functions(args.function, code, namespace, profiler)
@@ -326,14 +327,10 @@ class MemlabMagics(Magics):
         for value in list(namespace.values()):
             if isinstance(value, torch.optim.Optimizer):
                 reporter.add_optimizer(value)
-        device = None if args.device is None else device_argument(args.device)
-        if device is not None:
-            try:
-                torch.device(device)
-            except RuntimeError:
-                raise UsageError(
-                    f"-d {args.device}: not a device; write cpu, meta, cuda, cuda:1 or 0"
-                ) from None
+        try:
+            device = None if args.device is None else parse_device(args.device, name="-d")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         reporter.report(verbose=args.verbose, device=device)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -228,6 +229,9 @@ def test_run_module_with_names_resolved_when_they_appear(
         (["nope"], "nope"),
         (["demo", "--device", "cuda:99"], "cuda:99"),
         (["demo", "--device", "meta"], "meta"),
+        (["demo", "--device", "mps"], "--device mps: this torch cannot use it here ("),
+        (["demo", "--epochs", "0"], "argument --epochs: must be a whole number of at least 1, got '0'"),
+        (["run", "-g", "mps", "{script}"], "-g mps: this torch cannot use it here ("),
     ],
 )
 def test_errors_are_one_line_with_status_2(argv: list[str], named: str, script: Path, capsys: Any) -> None:
@@ -239,6 +243,27 @@ def test_errors_are_one_line_with_status_2(argv: list[str], named: str, script: 
     assert status == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("memlab") and named in err
+
+
+TIME = re.compile(r"\d+ns|\d+\.\d\d(us|ms|s)")
+
+
+def test_run_shows_a_time_column(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-D", "-c", "time", "-c", "active_bytes.all.peak", "-f", "work", script) == 0
+    work = capsys.readouterr().out.split("## work\n\n")[1].split("\n\n")[0].splitlines()
+    assert work[0].split() == ["time", "active_bytes", "line", "code"]
+    rows = [tuple(line.split(None, 3)) for line in work[3:]]
+    assert [row[1:] for row in rows] == [row[:1] + row[2:] for row in WORK_ROWS]
+    assert all(TIME.fullmatch(row[0]) for row in rows)
+
+
+def test_demo_shows_a_time_column(capsys: Any) -> None:
+    assert memlab("demo", "--epochs", 1, "-D", "-c", "time") == 0
+    train_step = capsys.readouterr().out.split("## train_step\n\n")[1].splitlines()
+    assert train_step[0].split() == ["time", "line", "code"]
+    rows = [line.split(None, 2) for line in train_step[4:]]
+    assert [row[1] for row in rows] == [row[2] for row in TRAIN_STEP_ROWS]
+    assert all(TIME.fullmatch(row[0]) for row in rows)
 
 
 def test_version_and_help(capsys: Any) -> None:

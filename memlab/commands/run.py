@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from memlab._arguments import columns_shown, device_argument
+from memlab._arguments import columns_shown, measured_device
 from memlab._function_lookup import MISSING, FunctionName, code_function, codes_named, lookup
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
@@ -261,5 +261,8 @@ class RunCommand:
         except SyntaxError as error:
             traceback.print_exception(type(error), error, None)
             return 1
-        target = None if args.gpu is None else device_argument(args.gpu)
+        try:
+            target = None if args.gpu is None else measured_device(args.gpu, "-g")
+        except ValueError as error:
+            raise CommandError(str(error)) from None
         return profile_program(program, args.function, columns, target, args.output)
