@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
 import shlex
 import types
 from collections import ChainMap
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from IPython.display import display
 
 from memlab._arguments import columns_shown, measured_device
 from memlab._devices import parse_device
-from memlab._function_lookup import MISSING, FunctionName, code_function, codes_named, lookup
+from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler
 from memlab.reporter import MemReporter
 
@@ -102,78 +101,9 @@ class _Cell:
         ]
         self.bound = set().union(*(bound for _, bound in self.statements))
 
-    def codes_named(self, qualname: str) -> list[types.CodeType]:
-        return [c for code, _ in self.statements for c in codes_named(code, qualname)]
-
-
-class _Functions:
-    """The functions named with ``-f``, registered with the profiler as soon as they exist.
-
-    A function defined in the cell is registered before the cell runs, by its code object. Other
-    names are looked up in the namespace (``module:qualname``: in the module, imported here) before
-    the cell runs, unless the cell binds them, and again after each statement until found.
-    """
-
-    def __init__(self, texts: Iterable[str], cell: _Cell, namespace: Mapping[str, Any], lp: LineProfiler):
-        self.names = []
-        for text in texts:
-            try:
-                self.names.append(FunctionName.parse(text))
-            except ValueError as error:
-                raise UsageError(f"-f: {error}") from None
-        self.namespace, self.profiler = namespace, lp
-        self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
-        self.errors: list[str] = []
-        self.waiting: list[FunctionName] = []
-        for name in self.names:
-            codes = cell.codes_named(name.qualname) if name.module is None else []
-            for code in codes:
-                self._register(name, code_function(code))
-            if not codes:
-                if name.root not in cell.bound:
-                    self._look_up(name)
-                self.waiting.append(name)
-        if self.errors:
-            raise UsageError(self.errors[0])
-
-    def _register(self, name: FunctionName, function: Any) -> None:
-        if any(function is known for known in self.found[name]):
-            return
-        try:
-            self.profiler.add_function(function)
-        except TypeError:
-            self.errors.append(f"-f {name.text}: cannot profile {type(function).__name__} {function!r:.60}")
-            return
-        self.found[name].append(function)
-
-    def _look_up(self, name: FunctionName) -> None:
-        found = lookup(name, self.namespace)
-        if found is MISSING and name.module is not None:
-            try:
-                importlib.import_module(name.module)
-            except ImportError:
-                return
-            found = lookup(name, self.namespace)
-        if found is not MISSING:
-            self._register(name, found)
-
-    def after_statement(self, bound: set[str]) -> None:
-        """Look up again the names not found yet and those whose root the statement rebound."""
-        for name in self.waiting:
-            if not self.found[name] or name.root in bound:
-                self._look_up(name)
-
-    def check(self) -> list[Any]:
-        """The functions found, in the order named; ``UsageError`` for a name never found."""
-        if self.errors:
-            raise UsageError(self.errors[0])
-        missing = [name.text for name, found in self.found.items() if not found]
-        if missing:
-            raise UsageError(
-                f"-f {missing[0]}: no function of that name was defined in the code or found in the "
-                "namespace (write name, Class.method or module:qualname)"
-            )
-        return [function for found in self.found.values() for function in found]
+    def codes(self) -> list[types.CodeType]:
+        """The compiled statements, in order."""
+        return [code for code, _ in self.statements]
 
 
 def _namespace(user_ns: dict[str, Any], local_ns: dict[str, Any] | None) -> Mapping[str, Any]:
@@ -259,17 +189,26 @@ class MemlabMagics(Magics):
             raise UsageError(str(error)) from None
         namespace = _namespace(self.shell.user_ns, local_ns)
         code = _Cell(self.shell, statement)
-        functions = _Functions(args.function, code, namespace, profiler)
+        try:
+            watch = FunctionWatch(
+                args.function, profiler, code.codes(), namespace, bound=code.bound, import_modules=True
+            )
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         try:
             with profiler:
                 for statement_code, bound in code.statements:
                     exec(statement_code, self.shell.user_ns, local_ns)
-                    functions.after_statement(bound)
+                    watch.look_up(rebound=bound)
         except BaseException:
             with contextlib.suppress(Exception):  # the code's own error matters more than the table
-                self._show(profiler, [f for found in functions.found.values() for f in found], columns, args)
+                self._show(profiler, watch.functions(), columns, args)
             raise
-        stats = self._show(profiler, functions.check(), columns, args, returned=not args.return_profiler)
+        try:
+            functions = watch.check()
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        stats = self._show(profiler, functions, columns, args, returned=not args.return_profiler)
         if args.return_profiler:
             return profiler
         return stats

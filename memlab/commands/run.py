@@ -10,7 +10,6 @@ code object), ``module:qualname`` when ``module`` is imported, a name the progra
 from __future__ import annotations
 
 import argparse
-import builtins
 import os
 import sys
 import traceback
@@ -20,92 +19,14 @@ from typing import Any
 import torch
 
 from memlab._arguments import columns_shown, measured_device
-from memlab._function_lookup import MISSING, FunctionName, code_function, codes_named, lookup
+from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
 
-__all__ = ["FunctionWatch", "RunCommand", "profile_program"]
+__all__ = ["RunCommand", "profile_program"]
 
 _OUTPUTS = (".txt", ".json", ".csv")
-
-
-class FunctionWatch:
-    """The functions named with ``-f``, registered with ``profiler`` as soon as they exist.
-
-    Names whose function the program defines are registered by code object before it runs;
-    other names are looked up in the program's namespace and in imported modules each time the
-    program imports something (``builtins.__import__`` is wrapped while the program runs, if names
-    are missing when it starts). A name bound to something without Python code is an error.
-    """
-
-    def __init__(self, texts: Sequence[str], program: MainProgram, profiler: LineProfiler) -> None:
-        try:
-            self.names = [FunctionName.parse(text) for text in texts]
-        except ValueError as error:
-            raise CommandError(f"-f: {error}") from None
-        self.program, self.profiler = program, profiler
-        self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
-        self.pending: list[FunctionName] = []
-        self.errors: list[str] = []
-        self._original_import: Any = None
-        for name in self.names:
-            codes = codes_named(program.code, name.qualname) if self._in_program(name) else []
-            for code in codes:
-                self._register(name, code_function(code))
-            if not codes:
-                self.pending.append(name)
-        self._look_up(None, ())
-
-    def _in_program(self, name: FunctionName) -> bool:
-        return name.module in (None, "__main__", self.program.module_name)
-
-    def _register(self, name: FunctionName, function: Any) -> None:
-        try:
-            self.profiler.add_function(function)
-        except TypeError as error:  # reported after the import that found it, not inside the program
-            self.errors.append(f"-f {name.text}: {error}")
-            return
-        self.found[name].append(function)
-
-    def _look_up(self, namespace: Any, fromlist: Sequence[str], module: Any = None) -> None:
-        """Register the pending names that now resolve (``module`` is what an import just returned)."""
-        for name in list(self.pending):
-            found = MISSING
-            if name.module is None or self._in_program(name):
-                if module is not None and name.root in fromlist and namespace is self.program.globals:
-                    found = lookup(name, {name.root: getattr(module, name.root, MISSING)})
-                if found is MISSING:
-                    found = lookup(FunctionName(name.text, None, name.qualname), self.program.globals)
-            else:
-                found = lookup(name)
-            if found is not MISSING:
-                self.pending.remove(name)
-                self._register(name, found)
-
-    def __enter__(self) -> FunctionWatch:
-        if self.pending:
-            original = self._original_import = builtins.__import__
-
-            def watching_import(
-                name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
-            ) -> Any:
-                module = original(name, globals, locals, fromlist, level)
-                if self.pending:
-                    self._look_up(globals, fromlist or (), module)
-                return module
-
-            builtins.__import__ = watching_import
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._original_import is not None:
-            builtins.__import__ = self._original_import
-            self._original_import = None
-
-    def functions(self) -> list[Any]:
-        """Everything found, in the order named."""
-        return [function for found in self.found.values() for function in found]
 
 
 def _output_format(path: str | None) -> str | None:
@@ -162,11 +83,18 @@ def profile_program(
         raise CommandError(f"-g {target}: {error}") from None
     profiler.add_columns(columns)
     decorated = set(profiler.at_exit)
-    watch = FunctionWatch(functions, program, profiler)
-    if watch.errors:
-        raise CommandError(watch.errors[0])
     try:
-        with watch:
+        watch = FunctionWatch(
+            functions,
+            profiler,
+            [program.code],
+            program.globals,
+            own_modules=("__main__", program.module_name or "__main__"),
+        )
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    try:
+        with watch.watching_imports():
             if functions:
                 with profiler:
                     status = program.run()
@@ -179,14 +107,13 @@ def profile_program(
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
     if shown:
         _print_and_write(profiler, shown, columns, output)
-    if watch.errors and not status:
-        raise CommandError(watch.errors[0])
-    if watch.pending:
-        missing = watch.pending[0].text
-        if status:
-            print(f"memlab run: -f {missing}: the function never appeared", file=sys.stderr)
-            return status
-        raise CommandError(f"-f {missing}: the program never defined or imported a function of that name")
+    try:
+        watch.check()
+    except ValueError as error:
+        if not status:
+            raise CommandError(str(error)) from None
+        print(f"memlab run: {error}", file=sys.stderr)  # the program's own failure comes first
+        return status
     if not shown:
         print(
             "memlab run: nothing was profiled: decorate functions with @memlab.profile or name them with -f",
