@@ -114,6 +114,41 @@ def test_run_profiles_named_and_decorated_functions(script: Path, capsys: Any) -
     ]
 
 
+EARLY_TENSOR_SCRIPT = """\
+import torch
+import memlab
+
+early = torch.empty(262144)  # 1 MiB of float32, created before anything is profiled
+
+@memlab.profile
+def step():
+    return torch.empty(256)
+
+def main():
+    held = torch.empty(1000)  # 4000 B, a 4096 B block
+    step()
+
+main()
+"""
+
+
+@pytest.mark.parametrize("named", [[], ["-f", "step"]])
+def test_run_counts_tensors_from_the_first_line_of_the_script(
+    named: list[str], tmp_path: Path, capsys: Any
+) -> None:
+    path = tmp_path / "early.py"
+    path.write_text(EARLY_TENSOR_SCRIPT, encoding="utf-8")
+    out = tmp_path / "early.json"
+    assert memlab("run", "-o", out, *named, path) == 0
+    at_entry = 2**20 + 4096  # early + held: a 1 MiB block and a 4 KiB one, both in the small pool
+    assert tables(capsys.readouterr().out) == {
+        "step": [("1.00M", "2.00M", "7", "def step():"), ("1.00M", "2.00M", "8", "return torch.empty(256)")]
+    }
+    frame = read_json(out).loc["step"]
+    assert frame["active_bytes.all.peak"].tolist()[1:] == [at_entry, at_entry + 1024]
+    assert frame["reserved_bytes.all.peak"].tolist()[1:] == [2 * 2**20, 2 * 2**20]
+
+
 def test_run_forwards_arguments_and_the_exit_status(script: Path, capsys: Any) -> None:
     assert memlab("run", "-f", "work", script, "--rows", 512, "--exit", 3) == 3
     out = capsys.readouterr().out

@@ -10,6 +10,7 @@ code object), ``module:qualname`` when ``module`` is imported, a name the progra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 
 from memlab._arguments import columns_shown, measured_device
+from memlab._devices import cuda_device_exists, parse_device, with_index
 from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
+from memlab.sources.tracker import TensorTracker
 
 __all__ = ["RunCommand", "profile_program"]
 
@@ -55,6 +58,16 @@ def _print_and_write(
         profiler.to_csv(output, shown, columns)
 
 
+def _program_tracker(profiler: LineProfiler) -> contextlib.AbstractContextManager[Any]:
+    """A :class:`memlab.TensorTracker` for the whole program when ``profiler`` would measure through
+    one (its target is not a CUDA GPU present here), else nothing: the profiler uses the tracker
+    entered, which has seen every tensor since the program's first line."""
+    device = with_index(parse_device(profiler.target_gpu))
+    if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
+        return TensorTracker()
+    return contextlib.nullcontext()
+
+
 def profile_program(
     program: MainProgram,
     functions: Sequence[str] = (),
@@ -69,7 +82,9 @@ def profile_program(
     receives the same table. The numbers are those of :class:`memlab.LineProfiler` on ``target``
     (default 0: the GPU, or without one the default device through a tensor tracker modelling the
     CUDA caching allocator, which cannot see kernel workspaces, the CUDA context or memory
-    allocated outside PyTorch). A name that never appears is a :class:`CommandError` after the run.
+    allocated outside PyTorch). That tracker is entered before the program's first line, so every
+    tensor the program creates counts, also those created before a profiled function first runs.
+    A name that never appears is a :class:`CommandError` after the run.
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
     """
@@ -94,7 +109,7 @@ def profile_program(
     except ValueError as error:
         raise CommandError(str(error)) from None
     try:
-        with watch.watching_imports():
+        with watch.watching_imports(), _program_tracker(profiler):
             if functions:
                 with profiler:
                     status = program.run()
