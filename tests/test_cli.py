@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 
 import memlab as memlab_package
-from memlab.cli import main
+from memlab.cli import build_parser, main
 from memlab.line_profiler import DEFAULT_COLUMNS, decorators, read_csv, read_json
 
 SCRIPT = """\
@@ -301,17 +301,35 @@ def test_demo_shows_a_time_column(capsys: Any) -> None:
     assert all(TIME.fullmatch(row[0]) for row in rows)
 
 
+def test_options_go_before_the_script_and_the_rest_is_the_programs() -> None:
+    parser = build_parser()
+    readme = parser.parse_args(
+        ["run", "-c", "allocated_bytes.all.allocated", "-o", "p.json", "-m", "pkg.train"]
+    )
+    assert (readme.column, readme.output, readme.as_module, readme.script, readme.args) == (
+        ["allocated_bytes.all.allocated"],
+        "p.json",
+        True,
+        "pkg.train",
+        [],
+    )
+    after = parser.parse_args(["run", "-m", "pkg.train", "-c", "time", "-o", "p.json"])
+    assert (after.column, after.output, after.args) == ([], None, ["-c", "time", "-o", "p.json"])
+
+
 def test_version_and_help(capsys: Any) -> None:
     from memlab import __version__
 
     for argv, text in (
-        (["--version"], f"memlab {__version__}\n"),
+        (["--version"], f"memlab {__version__}"),
         (["--help"], "run"),
         (["run", "--help"], "-f FUNC"),
+        (["run", "--help"], "(script.py | -m module) [args...]"),
+        (["run", "--help"], "memlab's options go before the script (or -m module): everything after it is"),
     ):
         with pytest.raises(SystemExit) as exit:
             main(argv)
-        assert exit.value.code == 0 and text in capsys.readouterr().out
+        assert exit.value.code == 0 and text in " ".join(capsys.readouterr().out.split())
 
 
 def test_python_dash_m_memlab_propagates_the_exit_status(script: Path) -> None:

@@ -143,18 +143,23 @@ class RunCommand:
     help = "run a script (or -m module) and print the memory of its profiled functions, line by line"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.usage = (
+            "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] (script.py | -m module) [args...]"
+        )
         parser.description = (
             "Run a Python script as __main__ with its own arguments, like kernprof, and print the "
             "memory of functions decorated with @memlab.profile or named with -f, line by line, at "
-            "the end (also when the script raises or exits). Exits with the script's status."
+            "the end (also when the script raises or exits). Exits with the script's status. "
+            "memlab's options go before the script (or -m module): everything after it is the "
+            "script's own arguments, as with python."
         )
         parser.epilog = (
             "Each row covers the time from the start of a line to the start of the next line of the "
             "same call; peak columns are the highest value in it, in bytes (40.00K = 40 KiB); calls "
-            "made on a line count inside it. Without a GPU a tensor tracker replays the script's "
-            "tensors through a model of the CUDA caching allocator: what a GPU would show, except what "
-            "a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside "
-            "PyTorch)."
+            "made on a line count inside it. Without a GPU a tensor tracker, entered before the "
+            "script's first line, replays its tensors through a model of the CUDA caching allocator: "
+            "what a GPU would show, except what a tracker cannot see (kernel workspaces, the CUDA "
+            "context, memory allocated outside PyTorch)."
         )
         parser.add_argument(
             "-f",
@@ -171,7 +176,7 @@ class RunCommand:
             action="append",
             default=[],
             help=f"a statistic to show besides {', '.join(DEFAULT_COLUMNS)}: any key of "
-            "torch.cuda.memory_stats(), hits or delta; repeat for several",
+            "torch.cuda.memory_stats(), hits, delta or time; repeat for several",
         )
         parser.add_argument(
             "-D", "--no-default-columns", action="store_true", help="hide the default columns"
@@ -186,9 +191,15 @@ class RunCommand:
         parser.add_argument(
             "-o", "--output", metavar="FILE", help="also write the table to FILE (.txt, .json, .csv)"
         )
-        parser.add_argument("-m", dest="as_module", action="store_true", help="run a module, like python -m")
-        parser.add_argument("script", nargs="?", help="the script to run (with -m: the module)")
-        parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+        parser.add_argument(
+            "-m", dest="as_module", action="store_true", help="run a module, like python -m (the last option)"
+        )
+        parser.add_argument(
+            "script", nargs="?", help="the script to run (with -m: the module), after memlab's options"
+        )
+        parser.add_argument(
+            "args", nargs=argparse.REMAINDER, help="the script's own arguments: everything after the script"
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         try:
