@@ -1,4 +1,5 @@
-"""What users type to the magics and the ``memlab`` command, checked: columns and devices.
+"""What users type to the magics and the ``memlab`` command: the options they share, and the
+columns and devices given to them, checked.
 
 Columns are checked by :func:`memlab.line_profiler.records.validate_columns` and devices read by
 :mod:`memlab._devices`, as in the Python API; this module adds the command-line wording. Errors are
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -18,7 +20,42 @@ from memlab.line_profiler import DEFAULT_COLUMNS
 from memlab.line_profiler.records import EXTRA_COLUMNS, TIME, validate_columns
 from memlab.sources.stats import STAT_KEYS
 
-__all__ = ["columns_shown", "measured_device"]
+__all__ = [
+    "COLUMN_OPTION",
+    "FUNCTION_OPTION",
+    "GPU_OPTION",
+    "NO_DEFAULT_COLUMNS_OPTION",
+    "OUTPUT_OPTION",
+    "columns_shown",
+    "measured_device",
+]
+
+# Keyword arguments of the options that `memlab run`, `memlab demo` and %mlrun share, for argparse's
+# add_argument and IPython's @argument alike (argparse copies an append action's default list).
+FUNCTION_OPTION: dict[str, Any] = {
+    "metavar": "FUNC",
+    "action": "append",
+    "default": [],
+    "help": "a function to profile: name, Class.method or module:qualname, also one the code itself "
+    "defines; repeat for several",
+}
+COLUMN_OPTION: dict[str, Any] = {
+    "metavar": "COL",
+    "action": "append",
+    "default": [],
+    "help": f"a statistic to show besides {', '.join(DEFAULT_COLUMNS)}: any key of "
+    "torch.cuda.memory_stats(), hits, delta or time; repeat for several",
+}
+NO_DEFAULT_COLUMNS_OPTION: dict[str, Any] = {"action": "store_true", "help": "hide the default columns"}
+GPU_OPTION: dict[str, Any] = {
+    "metavar": "DEVICE",
+    "help": "device to measure: a CUDA index or cpu, cuda:1, ... (default 0; without a GPU, the "
+    "default device, with the numbers a CUDA GPU would show)",
+}
+OUTPUT_OPTION: dict[str, Any] = {
+    "metavar": "FILE",
+    "help": "also write the table to FILE (.txt, .json, .csv)",
+}
 
 
 def _valid_columns() -> str:

@@ -21,10 +21,17 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from memlab._arguments import columns_shown, measured_device
+from memlab._arguments import (
+    COLUMN_OPTION,
+    FUNCTION_OPTION,
+    GPU_OPTION,
+    NO_DEFAULT_COLUMNS_OPTION,
+    columns_shown,
+    measured_device,
+)
 from memlab._devices import parse_device
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
-from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler
+from memlab.line_profiler import LineProfiler
 from memlab.reporter import MemReporter
 
 __all__ = ["MemlabMagics", "load_ipython_extension"]
@@ -118,37 +125,14 @@ class MemlabMagics(Magics):
     """``%mlrun``, ``%%mlrun`` and ``%memreport``."""
 
     @magic_arguments()
-    @argument(
-        "-f",
-        "--function",
-        metavar="FUNC",
-        action="append",
-        default=[],
-        help="Function to profile: name, Class.method or module:qualname; repeat for several. "
-        "Functions defined by the code itself can be named.",
-    )
-    @argument(
-        "-c",
-        "--column",
-        metavar="COL",
-        action="append",
-        default=[],
-        help="Statistic to show in addition to the defaults (" + ", ".join(DEFAULT_COLUMNS) + "): any "
-        "key of torch.cuda.memory_stats(), hits or delta; repeat for several.",
-    )
-    @argument("-D", "--no_default_columns", action="store_true", help="Do not show the default columns.")
-    @argument("-r", "--return-profiler", action="store_true", help="Return the LineProfiler.")
-    @argument(
-        "-g",
-        "--gpu",
-        metavar="DEVICE",
-        default="0",
-        help="Device to measure: a CUDA index or a device string such as cpu or cuda:1 (default 0; "
-        "without a GPU, the default device, with the numbers a CUDA GPU would show).",
-    )
-    @argument("-q", "--quiet", action="store_true", help="Show nothing and return nothing (unless -r).")
-    @argument("-T", "--dump-profile", metavar="FILE", help="Also write the table shown, as text, to FILE.")
-    @argument("statement", nargs="*", help="Code to run (line magic); in cell magic, the cell.")
+    @argument("-f", "--function", **FUNCTION_OPTION)
+    @argument("-c", "--column", **COLUMN_OPTION)
+    @argument("-D", "--no_default_columns", **NO_DEFAULT_COLUMNS_OPTION)
+    @argument("-r", "--return-profiler", action="store_true", help="return the LineProfiler")
+    @argument("-g", "--gpu", **GPU_OPTION, default="0")
+    @argument("-q", "--quiet", action="store_true", help="show nothing and return nothing (unless -r)")
+    @argument("-T", "--dump-profile", metavar="FILE", help="also write the table shown, as text, to FILE")
+    @argument("statement", nargs="*", help="code to run (line magic); in cell magic, the cell")
     @line_cell_magic
     @needs_local_scope
     def mlrun(self, line: str = "", cell: str | None = None, local_ns: dict[str, Any] | None = None) -> Any:

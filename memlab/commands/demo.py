@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from memlab._arguments import columns_shown
+from memlab._arguments import COLUMN_OPTION, NO_DEFAULT_COLUMNS_OPTION, OUTPUT_OPTION, columns_shown
 from memlab._devices import parse_device, require_usable
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
@@ -43,15 +43,9 @@ class DemoCommand:
             "device or another device this torch can use, not meta (default: the GPU if there is one, "
             "else torch's default device)",
         )
-        parser.add_argument(
-            "-c", "--column", metavar="COL", action="append", default=[], help="an extra column"
-        )
-        parser.add_argument(
-            "-D", "--no-default-columns", action="store_true", help="hide the default columns"
-        )
-        parser.add_argument(
-            "-o", "--output", metavar="FILE", help="also write the table to FILE (.txt, .json, .csv)"
-        )
+        parser.add_argument("-c", "--column", **COLUMN_OPTION)
+        parser.add_argument("-D", "--no-default-columns", **NO_DEFAULT_COLUMNS_OPTION)
+        parser.add_argument("-o", "--output", **OUTPUT_OPTION)
 
     def run(self, args: argparse.Namespace) -> int:
         try:

@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-from memlab._arguments import columns_shown, measured_device
+from memlab._arguments import (
+    COLUMN_OPTION,
+    FUNCTION_OPTION,
+    GPU_OPTION,
+    NO_DEFAULT_COLUMNS_OPTION,
+    OUTPUT_OPTION,
+    columns_shown,
+    measured_device,
+)
 from memlab._devices import cuda_device_exists, parse_device, with_index
 from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
@@ -161,36 +169,11 @@ class RunCommand:
             "what a GPU would show, except what a tracker cannot see (kernel workspaces, the CUDA "
             "context, memory allocated outside PyTorch)."
         )
-        parser.add_argument(
-            "-f",
-            "--function",
-            metavar="FUNC",
-            action="append",
-            default=[],
-            help="a function to profile: name, Class.method or module:qualname; repeat for several",
-        )
-        parser.add_argument(
-            "-c",
-            "--column",
-            metavar="COL",
-            action="append",
-            default=[],
-            help=f"a statistic to show besides {', '.join(DEFAULT_COLUMNS)}: any key of "
-            "torch.cuda.memory_stats(), hits, delta or time; repeat for several",
-        )
-        parser.add_argument(
-            "-D", "--no-default-columns", action="store_true", help="hide the default columns"
-        )
-        parser.add_argument(
-            "-g",
-            "--gpu",
-            metavar="DEVICE",
-            help="device to measure: a CUDA index or cpu, cuda:1, ... (default 0; without a GPU, the "
-            "default device, with the numbers a CUDA GPU would show)",
-        )
-        parser.add_argument(
-            "-o", "--output", metavar="FILE", help="also write the table to FILE (.txt, .json, .csv)"
-        )
+        parser.add_argument("-f", "--function", **FUNCTION_OPTION)
+        parser.add_argument("-c", "--column", **COLUMN_OPTION)
+        parser.add_argument("-D", "--no-default-columns", **NO_DEFAULT_COLUMNS_OPTION)
+        parser.add_argument("-g", "--gpu", **GPU_OPTION)
+        parser.add_argument("-o", "--output", **OUTPUT_OPTION)
         parser.add_argument(
             "-m", dest="as_module", action="store_true", help="run a module, like python -m (the last option)"
         )
