@@ -1,8 +1,9 @@
 """What users type to the magics and the ``memlab`` command: the options they share, and the
 columns and devices given to them, checked.
 
-Columns are checked by :func:`memlab.line_profiler.records.validate_columns` and devices read by
-:mod:`memlab._devices`, as in the Python API; this module adds the command-line wording. Errors are
+Columns are checked by :func:`memlab.line_profiler.records.validate_columns`, as in the Python
+API; this module adds the command-line wording. (Devices are read by :mod:`memlab._devices` and
+targets checked by :func:`memlab.sources.select.check_target`, also as in the Python API.) Errors are
 ``ValueError`` with a one-line message that says what would have been valid; the callers turn them
 into an IPython ``UsageError`` or a command-line error.
 """
@@ -13,9 +14,6 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
-from memlab._devices import parse_device, require_usable
 from memlab.line_profiler import DEFAULT_COLUMNS
 from memlab.line_profiler.records import EXTRA_COLUMNS, TIME, validate_columns
 from memlab.sources.stats import STAT_KEYS
@@ -27,7 +25,6 @@ __all__ = [
     "NO_DEFAULT_COLUMNS_OPTION",
     "OUTPUT_OPTION",
     "columns_shown",
-    "measured_device",
 ]
 
 # Keyword arguments of the options that `memlab run`, `memlab demo` and %mlrun share, for argparse's
@@ -88,13 +85,3 @@ def columns_shown(no_defaults: bool, extra: Iterable[str]) -> tuple[str, ...]:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"unknown column {column!r}{hint}; valid columns: {_valid_columns()}") from None
     return columns
-
-
-def measured_device(text: str, option: str) -> torch.device:
-    """The device ``option`` (``-g``) names for measuring, read by :func:`memlab._devices.parse_device`.
-
-    A CUDA device need not exist here (without it the profiler models one on the default device);
-    any other device must be one this torch can use (:func:`memlab._devices.require_usable`).
-    """
-    device = parse_device(text, name=option)
-    return device if device.type == "cuda" else require_usable(device, name=option)

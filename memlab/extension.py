@@ -27,12 +27,12 @@ from memlab._arguments import (
     GPU_OPTION,
     NO_DEFAULT_COLUMNS_OPTION,
     columns_shown,
-    measured_device,
 )
 from memlab._devices import parse_device
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
 from memlab.line_profiler import LineProfiler
 from memlab.reporter import MemReporter
+from memlab.sources.select import check_target
 
 __all__ = ["MemlabMagics", "load_ipython_extension"]
 
@@ -168,7 +168,7 @@ class MemlabMagics(Magics):
         except ValueError as error:
             raise UsageError(str(error)) from None
         try:
-            profiler = LineProfiler(target_gpu=measured_device(args.gpu, "-g"), columns=columns)
+            profiler = LineProfiler(target_gpu=check_target(args.gpu, name="-g"), columns=columns)
         except ValueError as error:
             raise UsageError(str(error)) from None
         namespace = _namespace(self.shell.user_ns, local_ns)

@@ -26,13 +26,13 @@ from memlab._arguments import (
     NO_DEFAULT_COLUMNS_OPTION,
     OUTPUT_OPTION,
     columns_shown,
-    measured_device,
 )
 from memlab._devices import cuda_device_exists, parse_device, with_index
 from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
+from memlab.sources.select import check_target
 from memlab.sources.tracker import TensorTracker
 
 __all__ = ["RunCommand", "profile_program"]
@@ -103,7 +103,7 @@ def profile_program(
         if target is not None:
             profiler.target_gpu = target
     except (TypeError, ValueError) as error:
-        raise CommandError(f"-g {target}: {error}") from None
+        raise CommandError(str(error)) from None
     profiler.add_columns(columns)
     decorated = set(profiler.at_exit)
     try:
@@ -198,7 +198,7 @@ class RunCommand:
             traceback.print_exception(type(error), error, None)
             return 1
         try:
-            target = None if args.gpu is None else measured_device(args.gpu, "-g")
+            target = None if args.gpu is None else check_target(args.gpu, name="-g")
         except ValueError as error:
             raise CommandError(str(error)) from None
         return profile_program(program, args.function, columns, target, args.output)
