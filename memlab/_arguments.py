@@ -1,19 +1,58 @@
-"""What users type to the magics and the ``memlab`` command, checked: columns and devices.
+"""What users type to the magics and the ``memlab`` command: the options they share, and the
+columns and devices given to them, checked.
 
-Errors are ``ValueError`` with a one-line message that says what would have been valid; the
-callers turn them into an IPython ``UsageError`` or a command-line error.
+Columns are checked by :func:`memlab.line_profiler.records.validate_columns`, as in the Python
+API; this module adds the command-line wording. (Devices are read by :mod:`memlab._devices` and
+targets checked by :func:`memlab.sources.select.check_target`, also as in the Python API.) Errors are
+``ValueError`` with a one-line message that says what would have been valid; the callers turn them
+into an IPython ``UsageError`` or a command-line error.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 from memlab.line_profiler import DEFAULT_COLUMNS
-from memlab.line_profiler.records import EXTRA_COLUMNS
+from memlab.line_profiler.records import EXTRA_COLUMNS, TIME, validate_columns
 from memlab.sources.stats import STAT_KEYS
 
-__all__ = ["columns_shown", "device_argument"]
+__all__ = [
+    "COLUMN_OPTION",
+    "FUNCTION_OPTION",
+    "GPU_OPTION",
+    "NO_DEFAULT_COLUMNS_OPTION",
+    "OUTPUT_OPTION",
+    "columns_shown",
+]
+
+# Keyword arguments of the options that `memlab run`, `memlab demo` and %mlrun share, for argparse's
+# add_argument and IPython's @argument alike (argparse copies an append action's default list).
+FUNCTION_OPTION: dict[str, Any] = {
+    "metavar": "FUNC",
+    "action": "append",
+    "default": [],
+    "help": "a function to profile: name, Class.method or module:qualname, also one the code itself "
+    "defines; repeat for several",
+}
+COLUMN_OPTION: dict[str, Any] = {
+    "metavar": "COL",
+    "action": "append",
+    "default": [],
+    "help": f"a statistic to show besides {', '.join(DEFAULT_COLUMNS)}: any key of "
+    "torch.cuda.memory_stats(), hits, delta or time; repeat for several",
+}
+NO_DEFAULT_COLUMNS_OPTION: dict[str, Any] = {"action": "store_true", "help": "hide the default columns"}
+GPU_OPTION: dict[str, Any] = {
+    "metavar": "DEVICE",
+    "help": "device to measure: a CUDA index or cpu, cuda:1, ... (default 0; without a GPU, the "
+    "default device, with the numbers a CUDA GPU would show)",
+}
+OUTPUT_OPTION: dict[str, Any] = {
+    "metavar": "FILE",
+    "help": "also write the table to FILE (.txt, .json, .csv)",
+}
 
 
 def _valid_columns() -> str:
@@ -23,7 +62,7 @@ def _valid_columns() -> str:
     pools = {k.split(".")[1]: None for k in STAT_KEYS if k.count(".") == 2}
     metrics = {k.split(".")[2]: None for k in STAT_KEYS if k.count(".") == 2}
     return (
-        f"{', '.join(EXTRA_COLUMNS)}; <stat>.<pool>.<metric> with stat {'/'.join(families)}, "
+        f"{', '.join((*EXTRA_COLUMNS, TIME))}; <stat>.<pool>.<metric> with stat {'/'.join(families)}, "
         f"pool {'/'.join(pools)}, metric {'/'.join(metrics)}; or {', '.join(others)}"
     )
 
@@ -31,20 +70,18 @@ def _valid_columns() -> str:
 def columns_shown(no_defaults: bool, extra: Iterable[str]) -> tuple[str, ...]:
     """The columns to show: the defaults (unless ``no_defaults``) then ``extra``, each once.
 
-    Raises ``ValueError`` for an unknown name (suggesting the closest valid one) or for no column.
+    Accepts what :func:`~memlab.line_profiler.records.validate_columns` accepts (the keys of
+    ``torch.cuda.memory_stats()``, ``hits``, ``delta`` and ``time``). Raises ``ValueError`` for an
+    unknown name (suggesting the closest valid one) or for no column.
     """
     columns = tuple(dict.fromkeys([*(() if no_defaults else DEFAULT_COLUMNS), *extra]))
     if not columns:
         raise ValueError("-D hides the default columns: name at least one column with -c COL")
-    valid = (*EXTRA_COLUMNS, *STAT_KEYS)
     for column in columns:
-        if column not in valid:
-            close = difflib.get_close_matches(column, valid, n=1)
+        try:
+            validate_columns(column)
+        except ValueError:
+            close = difflib.get_close_matches(column, (*EXTRA_COLUMNS, TIME, *STAT_KEYS), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown column {column!r}{hint}; valid columns: {_valid_columns()}")
+            raise ValueError(f"unknown column {column!r}{hint}; valid columns: {_valid_columns()}") from None
     return columns
-
-
-def device_argument(text: str) -> int | str:
-    """A device as typed: a CUDA index (``"0"`` -> ``0``) or a device string (``cpu``, ``cuda:1``)."""
-    return int(text) if text.isdigit() else text

@@ -1,5 +1,6 @@
 """Find the functions a user names for profiling (``name``, ``Class.method``, ``module:qualname``),
-in code that has not run yet, in a namespace, or in an imported module.
+in code that has not run yet, in a namespace, or in an imported module, and register them with a
+profiler as soon as they exist (:class:`FunctionWatch`).
 
 Shared by the IPython magics and ``memlab run``: both accept names of functions that do not exist
 yet when profiling starts (defined later in the same cell, script or an imported module).
@@ -7,19 +8,24 @@ yet when profiling starts (defined later in the same cell, script or an imported
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import importlib
 import inspect
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MISSING", "FunctionName", "code_function", "codes_named", "lookup"]
+__all__ = ["MISSING", "FunctionName", "FunctionWatch", "code_function", "codes_named", "lookup"]
 
 #: What :func:`lookup` returns for a name that does not resolve (yet).
 MISSING: Any = object()
 
 _FORMS = "name, Class.method or module:qualname"
+#: (module, fromlist) of an import statement that just ran.
+_Import = tuple[Any, Collection[str]]
 
 
 @dataclass(frozen=True)
@@ -101,3 +107,141 @@ def lookup(name: FunctionName, namespace: Mapping[str, Any] | None = None) -> An
         except Exception:
             return MISSING
     return owner
+
+
+class FunctionWatch:
+    """The functions named with ``-f`` (``texts``), registered with ``profiler`` as soon as they exist.
+
+    A name whose function ``codes`` define (compiled code that has not run yet: a script, a module,
+    the statements of a cell) is registered at once, by code object; ``module:qualname`` counts as
+    such a name when ``module`` is in ``own_modules`` (the code's own module names). Other names
+    are looked up in ``namespace`` (``module:qualname``: in the module, imported first when
+    ``import_modules``) now, unless ``bound`` holds their first name (the code will bind it), and
+    again at each :meth:`look_up` until found, or when their first name is rebound. Raises
+    ``ValueError`` for a name that is not ``name``, ``Class.method`` or ``module:qualname`` and for
+    something without Python code found now; later ones wait in :attr:`errors` for :meth:`check`.
+    """
+
+    def __init__(
+        self,
+        texts: Iterable[str],
+        profiler: Any,
+        codes: Iterable[types.CodeType] = (),
+        namespace: Mapping[str, Any] | None = None,
+        *,
+        own_modules: Collection[str] = (),
+        bound: Collection[str] = (),
+        import_modules: bool = False,
+    ) -> None:
+        try:
+            self.names = [FunctionName.parse(text) for text in texts]
+        except ValueError as error:
+            raise ValueError(f"-f: {error}") from None
+        self.profiler, self.namespace = profiler, namespace
+        self.own_modules, self.import_modules = own_modules, import_modules
+        self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
+        #: One-line messages for things found that cannot be profiled, in the order found.
+        self.errors: list[str] = []
+        self._waiting: list[FunctionName] = []
+        codes = list(codes)
+        for name in self.names:
+            defined = (
+                [c for code in codes for c in codes_named(code, name.qualname)] if self._own(name) else []
+            )
+            for code in defined:
+                self._register(name, code_function(code))
+            if not defined:
+                if name.root not in bound:
+                    self._look_up(name, None)
+                self._waiting.append(name)
+        if self.errors:
+            raise ValueError(self.errors[0])
+
+    def _own(self, name: FunctionName) -> bool:
+        return name.module is None or name.module in self.own_modules
+
+    def _register(self, name: FunctionName, function: Any) -> None:
+        if any(function is known for known in self.found[name]):
+            return
+        try:
+            self.profiler.add_function(function)
+        except TypeError:
+            self.errors.append(
+                f"-f {name.text}: cannot profile a {type(function).__name__}; name a function, method, "
+                "property or class defined in Python"
+            )
+            return
+        self.found[name].append(function)
+
+    def _look_up(self, name: FunctionName, imported: _Import | None) -> None:
+        """Register what ``name`` refers to now; ``imported`` is (module, fromlist) of an import
+        the code just ran in ``namespace`` (``from m import f`` inside a function binds no global)."""
+        if self._own(name):
+            local = FunctionName(name.text, None, name.qualname)
+            found = MISSING
+            if imported is not None and local.root in imported[1]:
+                found = lookup(local, {local.root: getattr(imported[0], local.root, MISSING)})
+            if found is MISSING:
+                found = lookup(local, self.namespace)
+        else:
+            found = lookup(name)
+            if found is MISSING and self.import_modules:
+                try:
+                    importlib.import_module(name.module)  # type: ignore[arg-type]
+                except ImportError:
+                    return
+                found = lookup(name)
+        if found is not MISSING:
+            self._register(name, found)
+
+    def look_up(
+        self, rebound: Collection[str] = (), imported: tuple[Any, Collection[str]] | None = None
+    ) -> None:
+        """Look up again the names not found yet and those whose first name is in ``rebound``."""
+        for name in self._waiting:
+            if not self.found[name] or name.root in rebound:
+                self._look_up(name, imported)
+
+    @contextlib.contextmanager
+    def watching_imports(self) -> Iterator[FunctionWatch]:
+        """While inside, :meth:`look_up` after every import (``builtins.__import__`` is wrapped if
+        some name is missing on entry), so a name is registered before the imported function runs."""
+        if not self.missing():
+            yield self
+            return
+        original = builtins.__import__
+
+        def watching_import(
+            name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
+        ) -> Any:
+            module = original(name, globals, locals, fromlist, level)
+            if self.missing():
+                self.look_up(imported=(module, fromlist or ()) if globals is self.namespace else None)
+            return module
+
+        builtins.__import__ = watching_import
+        try:
+            yield self
+        finally:
+            builtins.__import__ = original
+
+    def missing(self) -> list[FunctionName]:
+        """The names not found yet, in the order named."""
+        return [name for name, found in self.found.items() if not found]
+
+    def functions(self) -> list[Any]:
+        """Everything found, in the order named."""
+        return [function for found in self.found.values() for function in found]
+
+    def check(self) -> list[Any]:
+        """:meth:`functions`, or ``ValueError`` for the first thing found that cannot be profiled,
+        then for the first name never found."""
+        if self.errors:
+            raise ValueError(self.errors[0])
+        missing = self.missing()
+        if missing:
+            raise ValueError(
+                f"-f {missing[0].text}: no function of that name was defined or imported by the code "
+                f"or found in the namespace (write {_FORMS})"
+            )
+        return self.functions()

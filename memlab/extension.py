@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
 import shlex
 import types
 from collections import ChainMap
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,10 +21,18 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from memlab._arguments import columns_shown, device_argument
-from memlab._function_lookup import MISSING, FunctionName, code_function, codes_named, lookup
-from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler
+from memlab._arguments import (
+    COLUMN_OPTION,
+    FUNCTION_OPTION,
+    GPU_OPTION,
+    NO_DEFAULT_COLUMNS_OPTION,
+    columns_shown,
+)
+from memlab._devices import parse_device
+from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
+from memlab.line_profiler import LineProfiler
 from memlab.reporter import MemReporter
+from memlab.sources.select import check_target
 
 __all__ = ["MemlabMagics", "load_ipython_extension"]
 
@@ -101,78 +108,9 @@ class _Cell:
         ]
         self.bound = set().union(*(bound for _, bound in self.statements))
 
-    def codes_named(self, qualname: str) -> list[types.CodeType]:
-        return [c for code, _ in self.statements for c in codes_named(code, qualname)]
-
-
-class _Functions:
-    """The functions named with ``-f``, registered with the profiler as soon as they exist.
-
-    A function defined in the cell is registered before the cell runs, by its code object. Other
-    names are looked up in the namespace (``module:qualname``: in the module, imported here) before
-    the cell runs, unless the cell binds them, and again after each statement until found.
-    """
-
-    def __init__(self, texts: Iterable[str], cell: _Cell, namespace: Mapping[str, Any], lp: LineProfiler):
-        self.names = []
-        for text in texts:
-            try:
-                self.names.append(FunctionName.parse(text))
-            except ValueError as error:
-                raise UsageError(f"-f: {error}") from None
-        self.namespace, self.profiler = namespace, lp
-        self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
-        self.errors: list[str] = []
-        self.waiting: list[FunctionName] = []
-        for name in self.names:
-            codes = cell.codes_named(name.qualname) if name.module is None else []
-            for code in codes:
-                self._register(name, code_function(code))
-            if not codes:
-                if name.root not in cell.bound:
-                    self._look_up(name)
-                self.waiting.append(name)
-        if self.errors:
-            raise UsageError(self.errors[0])
-
-    def _register(self, name: FunctionName, function: Any) -> None:
-        if any(function is known for known in self.found[name]):
-            return
-        try:
-            self.profiler.add_function(function)
-        except TypeError:
-            self.errors.append(f"-f {name.text}: cannot profile {type(function).__name__} {function!r:.60}")
-            return
-        self.found[name].append(function)
-
-    def _look_up(self, name: FunctionName) -> None:
-        found = lookup(name, self.namespace)
-        if found is MISSING and name.module is not None:
-            try:
-                importlib.import_module(name.module)
-            except ImportError:
-                return
-            found = lookup(name, self.namespace)
-        if found is not MISSING:
-            self._register(name, found)
-
-    def after_statement(self, bound: set[str]) -> None:
-        """Look up again the names not found yet and those whose root the statement rebound."""
-        for name in self.waiting:
-            if not self.found[name] or name.root in bound:
-                self._look_up(name)
-
-    def check(self) -> list[Any]:
-        """The functions found, in the order named; ``UsageError`` for a name never found."""
-        if self.errors:
-            raise UsageError(self.errors[0])
-        missing = [name.text for name, found in self.found.items() if not found]
-        if missing:
-            raise UsageError(
-                f"-f {missing[0]}: no function of that name was defined in the code or found in the "
-                "namespace (write name, Class.method or module:qualname)"
-            )
-        return [function for found in self.found.values() for function in found]
+    def codes(self) -> list[types.CodeType]:
+        """The compiled statements, in order."""
+        return [code for code, _ in self.statements]
 
 
 def _namespace(user_ns: dict[str, Any], local_ns: dict[str, Any] | None) -> Mapping[str, Any]:
@@ -187,37 +125,14 @@ class MemlabMagics(Magics):
     """``%mlrun``, ``%%mlrun`` and ``%memreport``."""
 
     @magic_arguments()
-    @argument(
-        "-f",
-        "--function",
-        metavar="FUNC",
-        action="append",
-        default=[],
-        help="Function to profile: name, Class.method or module:qualname; repeat for several. "
-        "Functions defined by the code itself can be named.",
-    )
-    @argument(
-        "-c",
-        "--column",
-        metavar="COL",
-        action="append",
-        default=[],
-        help="Statistic to show in addition to the defaults (" + ", ".join(DEFAULT_COLUMNS) + "): any "
-        "key of torch.cuda.memory_stats(), hits or delta; repeat for several.",
-    )
-    @argument("-D", "--no_default_columns", action="store_true", help="Do not show the default columns.")
-    @argument("-r", "--return-profiler", action="store_true", help="Return the LineProfiler.")
-    @argument(
-        "-g",
-        "--gpu",
-        metavar="DEVICE",
-        default="0",
-        help="Device to measure: a CUDA index or a device string such as cpu or cuda:1 (default 0; "
-        "without a GPU, the default device, with the numbers a CUDA GPU would show).",
-    )
-    @argument("-q", "--quiet", action="store_true", help="Show nothing and return nothing (unless -r).")
-    @argument("-T", "--dump-profile", metavar="FILE", help="Also write the table shown, as text, to FILE.")
-    @argument("statement", nargs="*", help="Code to run (line magic); in cell magic, the cell.")
+    @argument("-f", "--function", **FUNCTION_OPTION)
+    @argument("-c", "--column", **COLUMN_OPTION)
+    @argument("-D", "--no_default_columns", **NO_DEFAULT_COLUMNS_OPTION)
+    @argument("-r", "--return-profiler", action="store_true", help="return the LineProfiler")
+    @argument("-g", "--gpu", **GPU_OPTION, default="0")
+    @argument("-q", "--quiet", action="store_true", help="show nothing and return nothing (unless -r)")
+    @argument("-T", "--dump-profile", metavar="FILE", help="also write the table shown, as text, to FILE")
+    @argument("statement", nargs="*", help="code to run (line magic); in cell magic, the cell")
     @line_cell_magic
     @needs_local_scope
     def mlrun(self, line: str = "", cell: str | None = None, local_ns: dict[str, Any] | None = None) -> Any:
@@ -253,22 +168,31 @@ class MemlabMagics(Magics):
         except ValueError as error:
             raise UsageError(str(error)) from None
         try:
-            profiler = LineProfiler(target_gpu=device_argument(args.gpu), columns=columns)
-        except (TypeError, ValueError) as error:
-            raise UsageError(f"-g {args.gpu}: {error}") from None
+            profiler = LineProfiler(target_gpu=check_target(args.gpu, name="-g"), columns=columns)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         namespace = _namespace(self.shell.user_ns, local_ns)
         code = _Cell(self.shell, statement)
-        functions = _Functions(args.function, code, namespace, profiler)
+        try:
+            watch = FunctionWatch(
+                args.function, profiler, code.codes(), namespace, bound=code.bound, import_modules=True
+            )
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         try:
             with profiler:
                 for statement_code, bound in code.statements:
                     exec(statement_code, self.shell.user_ns, local_ns)
-                    functions.after_statement(bound)
+                    watch.look_up(rebound=bound)
         except BaseException:
             with contextlib.suppress(Exception):  # the code's own error matters more than the table
-                self._show(profiler, [f for found in functions.found.values() for f in found], columns, args)
+                self._show(profiler, watch.functions(), columns, args)
             raise
-        stats = self._show(profiler, functions.check(), columns, args, returned=not args.return_profiler)
+        try:
+            functions = watch.check()
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        stats = self._show(profiler, functions, columns, args, returned=not args.return_profiler)
         if args.return_profiler:
             return profiler
         return stats
@@ -326,14 +250,10 @@ class MemlabMagics(Magics):
         for value in list(namespace.values()):
             if isinstance(value, torch.optim.Optimizer):
                 reporter.add_optimizer(value)
-        device = None if args.device is None else device_argument(args.device)
-        if device is not None:
-            try:
-                torch.device(device)
-            except RuntimeError:
-                raise UsageError(
-                    f"-d {args.device}: not a device; write cpu, meta, cuda, cuda:1 or 0"
-                ) from None
+        try:
+            device = None if args.device is None else parse_device(args.device, name="-d")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         reporter.report(verbose=args.verbose, device=device)
 
 

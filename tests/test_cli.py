@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import pandas as pd
 import pytest
 
 import memlab as memlab_package
-from memlab.cli import main
+from memlab.cli import build_parser, main
 from memlab.line_profiler import DEFAULT_COLUMNS, decorators, read_csv, read_json
 
 SCRIPT = """\
@@ -55,6 +56,11 @@ if args.fail:
     raise RuntimeError("boom")
 sys.exit(args.exit)
 """
+# The first line of every table memlab run prints on CPU: its tracker is entered before the script.
+SOURCE_LINE = (
+    "modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); "
+    "tensors made before the tracker was entered are not counted"
+)
 # (active_bytes.all.peak, reserved_bytes.all.peak, line, code) of work(1024) on CPU.
 WORK_ROWS = [
     ("0.00B", "0.00B", "9", "def work(n):"),
@@ -113,6 +119,41 @@ def test_run_profiles_named_and_decorated_functions(script: Path, capsys: Any) -
     ]
 
 
+EARLY_TENSOR_SCRIPT = """\
+import torch
+import memlab
+
+early = torch.empty(262144)  # 1 MiB of float32, created before anything is profiled
+
+@memlab.profile
+def step():
+    return torch.empty(256)
+
+def main():
+    held = torch.empty(1000)  # 4000 B, a 4096 B block
+    step()
+
+main()
+"""
+
+
+@pytest.mark.parametrize("named", [[], ["-f", "step"]])
+def test_run_counts_tensors_from_the_first_line_of_the_script(
+    named: list[str], tmp_path: Path, capsys: Any
+) -> None:
+    path = tmp_path / "early.py"
+    path.write_text(EARLY_TENSOR_SCRIPT, encoding="utf-8")
+    out = tmp_path / "early.json"
+    assert memlab("run", "-o", out, *named, path) == 0
+    at_entry = 2**20 + 4096  # early + held: a 1 MiB block and a 4 KiB one, both in the small pool
+    assert tables(capsys.readouterr().out) == {
+        "step": [("1.00M", "2.00M", "7", "def step():"), ("1.00M", "2.00M", "8", "return torch.empty(256)")]
+    }
+    frame = read_json(out).loc["step"]
+    assert frame["active_bytes.all.peak"].tolist()[1:] == [at_entry, at_entry + 1024]
+    assert frame["reserved_bytes.all.peak"].tolist()[1:] == [2 * 2**20, 2 * 2**20]
+
+
 def test_run_forwards_arguments_and_the_exit_status(script: Path, capsys: Any) -> None:
     assert memlab("run", "-f", "work", script, "--rows", 512, "--exit", 3) == 3
     out = capsys.readouterr().out
@@ -156,7 +197,8 @@ def test_run_output_files(script: Path, tmp_path: Path, capsys: Any, monkeypatch
         assert memlab("run", "-f", "work", "-o", out, script) == 0
         printed = capsys.readouterr().out
         frames.append(out)
-    assert frames[2].read_text(encoding="utf-8") == printed[printed.index("## work") :]
+    text = frames[2].read_text(encoding="utf-8")
+    assert printed.endswith(text) and text.startswith(f"{SOURCE_LINE}\n\n## work\n")
     frame = read_json(frames[0])
     pd.testing.assert_frame_equal(frame, read_csv(frames[1]))
     assert json.loads(frames[0].read_text(encoding="utf-8"))["columns"] == [
@@ -228,6 +270,9 @@ def test_run_module_with_names_resolved_when_they_appear(
         (["nope"], "nope"),
         (["demo", "--device", "cuda:99"], "cuda:99"),
         (["demo", "--device", "meta"], "meta"),
+        (["demo", "--device", "mps"], "--device mps: this torch cannot use it here ("),
+        (["demo", "--epochs", "0"], "argument --epochs: must be a whole number of at least 1, got '0'"),
+        (["run", "-g", "mps", "{script}"], "-g mps: this torch cannot use it here ("),
     ],
 )
 def test_errors_are_one_line_with_status_2(argv: list[str], named: str, script: Path, capsys: Any) -> None:
@@ -241,17 +286,56 @@ def test_errors_are_one_line_with_status_2(argv: list[str], named: str, script: 
     assert err.count("\n") == 1 and err.startswith("memlab") and named in err
 
 
+TIME = re.compile(r"\d+ns|\d+\.\d\d(us|ms|s)")
+
+
+def test_run_shows_a_time_column(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-D", "-c", "time", "-c", "active_bytes.all.peak", "-f", "work", script) == 0
+    work = capsys.readouterr().out.split("## work\n\n")[1].split("\n\n")[0].splitlines()
+    assert work[0].split() == ["time", "active_bytes", "line", "code"]
+    rows = [tuple(line.split(None, 3)) for line in work[3:]]
+    assert [row[1:] for row in rows] == [row[:1] + row[2:] for row in WORK_ROWS]
+    assert all(TIME.fullmatch(row[0]) for row in rows)
+
+
+def test_demo_shows_a_time_column(capsys: Any) -> None:
+    assert memlab("demo", "--epochs", 1, "-D", "-c", "time") == 0
+    train_step = capsys.readouterr().out.split("## train_step\n\n")[1].splitlines()
+    assert train_step[0].split() == ["time", "line", "code"]
+    rows = [line.split(None, 2) for line in train_step[4:]]
+    assert [row[1] for row in rows] == [row[2] for row in TRAIN_STEP_ROWS]
+    assert all(TIME.fullmatch(row[0]) for row in rows)
+
+
+def test_options_go_before_the_script_and_the_rest_is_the_programs() -> None:
+    parser = build_parser()
+    readme = parser.parse_args(
+        ["run", "-c", "allocated_bytes.all.allocated", "-o", "p.json", "-m", "pkg.train"]
+    )
+    assert (readme.column, readme.output, readme.as_module, readme.script, readme.args) == (
+        ["allocated_bytes.all.allocated"],
+        "p.json",
+        True,
+        "pkg.train",
+        [],
+    )
+    after = parser.parse_args(["run", "-m", "pkg.train", "-c", "time", "-o", "p.json"])
+    assert (after.column, after.output, after.args) == ([], None, ["-c", "time", "-o", "p.json"])
+
+
 def test_version_and_help(capsys: Any) -> None:
     from memlab import __version__
 
     for argv, text in (
-        (["--version"], f"memlab {__version__}\n"),
+        (["--version"], f"memlab {__version__}"),
         (["--help"], "run"),
         (["run", "--help"], "-f FUNC"),
+        (["run", "--help"], "(script.py | -m module) [args...]"),
+        (["run", "--help"], "memlab's options go before the script (or -m module): everything after it is"),
     ):
         with pytest.raises(SystemExit) as exit:
             main(argv)
-        assert exit.value.code == 0 and text in capsys.readouterr().out
+        assert exit.value.code == 0 and text in " ".join(capsys.readouterr().out.split())
 
 
 def test_python_dash_m_memlab_propagates_the_exit_status(script: Path) -> None:

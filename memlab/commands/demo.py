@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from memlab._arguments import columns_shown
+from memlab._arguments import COLUMN_OPTION, NO_DEFAULT_COLUMNS_OPTION, OUTPUT_OPTION, columns_shown
+from memlab._devices import parse_device, require_usable
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.commands.run import profile_program
@@ -33,21 +34,18 @@ class DemoCommand:
             f"Run memlab's example training script ({EXAMPLE}) and print the memory of each line of "
             f"its {EXAMPLE_FUNCTION}() function: the same as memlab run -f {EXAMPLE_FUNCTION} on it."
         )
-        parser.add_argument("--epochs", type=int, help="epochs the example trains for (default: its own)")
+        parser.add_argument(
+            "--epochs", type=_epochs, help="epochs the example trains for, at least 1 (default: its own)"
+        )
         parser.add_argument(
             "--device",
-            help="make this torch's default device while the example runs, and measure it: cpu or a "
-            "CUDA device (default: the GPU if there is one, else torch's default device)",
+            help="make this torch's default device while the example runs, and measure it: cpu, a CUDA "
+            "device or another device this torch can use, not meta (default: the GPU if there is one, "
+            "else torch's default device)",
         )
-        parser.add_argument(
-            "-c", "--column", metavar="COL", action="append", default=[], help="an extra column"
-        )
-        parser.add_argument(
-            "-D", "--no-default-columns", action="store_true", help="hide the default columns"
-        )
-        parser.add_argument(
-            "-o", "--output", metavar="FILE", help="also write the table to FILE (.txt, .json, .csv)"
-        )
+        parser.add_argument("-c", "--column", **COLUMN_OPTION)
+        parser.add_argument("-D", "--no-default-columns", **NO_DEFAULT_COLUMNS_OPTION)
+        parser.add_argument("-o", "--output", **OUTPUT_OPTION)
 
     def run(self, args: argparse.Namespace) -> int:
         try:
@@ -66,19 +64,22 @@ class DemoCommand:
             torch.set_default_device(None if previous == torch.device("cpu") else previous)
 
 
-def _device(text: str | None) -> torch.device:
-    """``--device`` checked: a device this machine has. (The example reads its loss with
-    ``loss.item()``, so it cannot run on ``meta``.)"""
-    from memlab.sources.cuda import cuda_device_exists
+def _epochs(text: str) -> int:
+    """``--epochs`` checked: a whole number of at least 1 (the example refuses fewer)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
 
+
+def _device(text: str | None) -> torch.device:
+    """``--device`` checked: a device this torch can use here, not ``meta`` (the example reads its
+    loss with ``loss.item()``, which meta tensors do not have)."""
     if text is None:
         return torch.device("cuda") if torch.cuda.is_available() else torch.get_default_device()
     try:
-        device = torch.device(int(text) if text.isdigit() else text)
-    except RuntimeError:
-        raise CommandError(f"--device {text}: not a device; e.g. cpu, cuda, cuda:1") from None
-    if device.type == "meta":
-        raise CommandError("--device meta: the example reads its loss values, which meta tensors do not have")
-    if device.type == "cuda" and not cuda_device_exists(device):
-        raise CommandError(f"--device {text}: {device} is not available on this machine")
-    return device
+        device = parse_device(text, name="--device")
+        if device.type != "meta":
+            return require_usable(device, name="--device")
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    raise CommandError("--device meta: the example reads its loss values, which meta tensors do not have")

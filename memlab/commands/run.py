@@ -10,7 +10,7 @@ code object), ``module:qualname`` when ``module`` is imported, a name the progra
 from __future__ import annotations
 
 import argparse
-import builtins
+import contextlib
 import os
 import sys
 import traceback
@@ -19,93 +19,25 @@ from typing import Any
 
 import torch
 
-from memlab._arguments import columns_shown, device_argument
-from memlab._function_lookup import MISSING, FunctionName, code_function, codes_named, lookup
+from memlab._arguments import (
+    COLUMN_OPTION,
+    FUNCTION_OPTION,
+    GPU_OPTION,
+    NO_DEFAULT_COLUMNS_OPTION,
+    OUTPUT_OPTION,
+    columns_shown,
+)
+from memlab._devices import cuda_device_exists, parse_device, with_index
+from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
+from memlab.sources.select import check_target
+from memlab.sources.tracker import TensorTracker
 
-__all__ = ["FunctionWatch", "RunCommand", "profile_program"]
+__all__ = ["RunCommand", "profile_program"]
 
 _OUTPUTS = (".txt", ".json", ".csv")
-
-
-class FunctionWatch:
-    """The functions named with ``-f``, registered with ``profiler`` as soon as they exist.
-
-    Names whose function the program defines are registered by code object before it runs;
-    other names are looked up in the program's namespace and in imported modules each time the
-    program imports something (``builtins.__import__`` is wrapped while the program runs, if names
-    are missing when it starts). A name bound to something without Python code is an error.
-    """
-
-    def __init__(self, texts: Sequence[str], program: MainProgram, profiler: LineProfiler) -> None:
-        try:
-            self.names = [FunctionName.parse(text) for text in texts]
-        except ValueError as error:
-            raise CommandError(f"-f: {error}") from None
-        self.program, self.profiler = program, profiler
-        self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
-        self.pending: list[FunctionName] = []
-        self.errors: list[str] = []
-        self._original_import: Any = None
-        for name in self.names:
-            codes = codes_named(program.code, name.qualname) if self._in_program(name) else []
-            for code in codes:
-                self._register(name, code_function(code))
-            if not codes:
-                self.pending.append(name)
-        self._look_up(None, ())
-
-    def _in_program(self, name: FunctionName) -> bool:
-        return name.module in (None, "__main__", self.program.module_name)
-
-    def _register(self, name: FunctionName, function: Any) -> None:
-        try:
-            self.profiler.add_function(function)
-        except TypeError as error:  # reported after the import that found it, not inside the program
-            self.errors.append(f"-f {name.text}: {error}")
-            return
-        self.found[name].append(function)
-
-    def _look_up(self, namespace: Any, fromlist: Sequence[str], module: Any = None) -> None:
-        """Register the pending names that now resolve (``module`` is what an import just returned)."""
-        for name in list(self.pending):
-            found = MISSING
-            if name.module is None or self._in_program(name):
-                if module is not None and name.root in fromlist and namespace is self.program.globals:
-                    found = lookup(name, {name.root: getattr(module, name.root, MISSING)})
-                if found is MISSING:
-                    found = lookup(FunctionName(name.text, None, name.qualname), self.program.globals)
-            else:
-                found = lookup(name)
-            if found is not MISSING:
-                self.pending.remove(name)
-                self._register(name, found)
-
-    def __enter__(self) -> FunctionWatch:
-        if self.pending:
-            original = self._original_import = builtins.__import__
-
-            def watching_import(
-                name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
-            ) -> Any:
-                module = original(name, globals, locals, fromlist, level)
-                if self.pending:
-                    self._look_up(globals, fromlist or (), module)
-                return module
-
-            builtins.__import__ = watching_import
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._original_import is not None:
-            builtins.__import__ = self._original_import
-            self._original_import = None
-
-    def functions(self) -> list[Any]:
-        """Everything found, in the order named."""
-        return [function for found in self.found.values() for function in found]
 
 
 def _output_format(path: str | None) -> str | None:
@@ -134,6 +66,16 @@ def _print_and_write(
         profiler.to_csv(output, shown, columns)
 
 
+def _program_tracker(profiler: LineProfiler) -> contextlib.AbstractContextManager[Any]:
+    """A :class:`memlab.TensorTracker` for the whole program when ``profiler`` would measure through
+    one (its target is not a CUDA GPU present here), else nothing: the profiler uses the tracker
+    entered, which has seen every tensor since the program's first line."""
+    device = with_index(parse_device(profiler.target_gpu))
+    if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
+        return TensorTracker()
+    return contextlib.nullcontext()
+
+
 def profile_program(
     program: MainProgram,
     functions: Sequence[str] = (),
@@ -148,7 +90,9 @@ def profile_program(
     receives the same table. The numbers are those of :class:`memlab.LineProfiler` on ``target``
     (default 0: the GPU, or without one the default device through a tensor tracker modelling the
     CUDA caching allocator, which cannot see kernel workspaces, the CUDA context or memory
-    allocated outside PyTorch). A name that never appears is a :class:`CommandError` after the run.
+    allocated outside PyTorch). That tracker is entered before the program's first line, so every
+    tensor the program creates counts, also those created before a profiled function first runs.
+    A name that never appears is a :class:`CommandError` after the run.
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
     """
@@ -159,14 +103,21 @@ def profile_program(
         if target is not None:
             profiler.target_gpu = target
     except (TypeError, ValueError) as error:
-        raise CommandError(f"-g {target}: {error}") from None
+        raise CommandError(str(error)) from None
     profiler.add_columns(columns)
     decorated = set(profiler.at_exit)
-    watch = FunctionWatch(functions, program, profiler)
-    if watch.errors:
-        raise CommandError(watch.errors[0])
     try:
-        with watch:
+        watch = FunctionWatch(
+            functions,
+            profiler,
+            [program.code],
+            program.globals,
+            own_modules=("__main__", program.module_name or "__main__"),
+        )
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    try:
+        with watch.watching_imports(), _program_tracker(profiler):
             if functions:
                 with profiler:
                     status = program.run()
@@ -179,14 +130,13 @@ def profile_program(
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
     if shown:
         _print_and_write(profiler, shown, columns, output)
-    if watch.errors and not status:
-        raise CommandError(watch.errors[0])
-    if watch.pending:
-        missing = watch.pending[0].text
-        if status:
-            print(f"memlab run: -f {missing}: the function never appeared", file=sys.stderr)
-            return status
-        raise CommandError(f"-f {missing}: the program never defined or imported a function of that name")
+    try:
+        watch.check()
+    except ValueError as error:
+        if not status:
+            raise CommandError(str(error)) from None
+        print(f"memlab run: {error}", file=sys.stderr)  # the program's own failure comes first
+        return status
     if not shown:
         print(
             "memlab run: nothing was profiled: decorate functions with @memlab.profile or name them with -f",
@@ -201,52 +151,38 @@ class RunCommand:
     help = "run a script (or -m module) and print the memory of its profiled functions, line by line"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.usage = (
+            "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] (script.py | -m module) [args...]"
+        )
         parser.description = (
             "Run a Python script as __main__ with its own arguments, like kernprof, and print the "
             "memory of functions decorated with @memlab.profile or named with -f, line by line, at "
-            "the end (also when the script raises or exits). Exits with the script's status."
+            "the end (also when the script raises or exits). Exits with the script's status. "
+            "memlab's options go before the script (or -m module): everything after it is the "
+            "script's own arguments, as with python."
         )
         parser.epilog = (
             "Each row covers the time from the start of a line to the start of the next line of the "
             "same call; peak columns are the highest value in it, in bytes (40.00K = 40 KiB); calls "
-            "made on a line count inside it. Without a GPU a tensor tracker replays the script's "
-            "tensors through a model of the CUDA caching allocator: what a GPU would show, except what "
-            "a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside "
-            "PyTorch)."
+            "made on a line count inside it. Without a GPU a tensor tracker, entered before the "
+            "script's first line, replays its tensors through a model of the CUDA caching allocator: "
+            "what a GPU would show, except what a tracker cannot see (kernel workspaces, the CUDA "
+            "context, memory allocated outside PyTorch)."
+        )
+        parser.add_argument("-f", "--function", **FUNCTION_OPTION)
+        parser.add_argument("-c", "--column", **COLUMN_OPTION)
+        parser.add_argument("-D", "--no-default-columns", **NO_DEFAULT_COLUMNS_OPTION)
+        parser.add_argument("-g", "--gpu", **GPU_OPTION)
+        parser.add_argument("-o", "--output", **OUTPUT_OPTION)
+        parser.add_argument(
+            "-m", dest="as_module", action="store_true", help="run a module, like python -m (the last option)"
         )
         parser.add_argument(
-            "-f",
-            "--function",
-            metavar="FUNC",
-            action="append",
-            default=[],
-            help="a function to profile: name, Class.method or module:qualname; repeat for several",
+            "script", nargs="?", help="the script to run (with -m: the module), after memlab's options"
         )
         parser.add_argument(
-            "-c",
-            "--column",
-            metavar="COL",
-            action="append",
-            default=[],
-            help=f"a statistic to show besides {', '.join(DEFAULT_COLUMNS)}: any key of "
-            "torch.cuda.memory_stats(), hits or delta; repeat for several",
+            "args", nargs=argparse.REMAINDER, help="the script's own arguments: everything after the script"
         )
-        parser.add_argument(
-            "-D", "--no-default-columns", action="store_true", help="hide the default columns"
-        )
-        parser.add_argument(
-            "-g",
-            "--gpu",
-            metavar="DEVICE",
-            help="device to measure: a CUDA index or cpu, cuda:1, ... (default 0; without a GPU, the "
-            "default device, with the numbers a CUDA GPU would show)",
-        )
-        parser.add_argument(
-            "-o", "--output", metavar="FILE", help="also write the table to FILE (.txt, .json, .csv)"
-        )
-        parser.add_argument("-m", dest="as_module", action="store_true", help="run a module, like python -m")
-        parser.add_argument("script", nargs="?", help="the script to run (with -m: the module)")
-        parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
     def run(self, args: argparse.Namespace) -> int:
         try:
@@ -261,5 +197,8 @@ class RunCommand:
         except SyntaxError as error:
             traceback.print_exception(type(error), error, None)
             return 1
-        target = None if args.gpu is None else device_argument(args.gpu)
+        try:
+            target = None if args.gpu is None else check_target(args.gpu, name="-g")
+        except ValueError as error:
+            raise CommandError(str(error)) from None
         return profile_program(program, args.function, columns, target, args.output)

@@ -1,32 +1,23 @@
-"""Renderers of line records: text (pytorch_memlab's layout), HTML, DataFrame, JSON and CSV.
+"""Renderers of line records for people: text (pytorch_memlab's layout) and HTML.
 
 Every renderer reads the same :class:`FunctionTable` list; none of them computes statistics.
+The DataFrame, JSON, CSV and plain-data forms are in :mod:`memlab.line_profiler.export`.
 """
 
 from __future__ import annotations
 
-import csv
 import html
-import io
-import json
-import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 from memlab._units import format_size
 from memlab.line_profiler.records import DELTA, TIME, FunctionTable
 
-if TYPE_CHECKING:
-    import pandas as pd
-
-__all__ = ["LineStats", "read_csv", "read_json", "to_dataframe", "write_csv", "write_json"]
+__all__ = ["LineStats"]
 
 # Seaborn's "muted" palette, as pytorch_memlab uses for its bars.
 _COLORS = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979")
 _NEVER_RAN = "registered, but never called while profiling"
 _CODE_STYLE = "text-align: left; white-space: pre; font-family: monospace"
-_INDEX = ["function", "line"]
-_JSON_FORMAT = "memlab.line_profiler/1"
 
 
 def _is_bytes(column: str) -> bool:
@@ -149,98 +140,3 @@ class LineStats:
             return "<p>No functions registered</p>"
         head = f"<p>{html.escape(self.source)}</p>\n" if self.source else ""
         return head + render_html(self.tables, self.columns)
-
-
-# -- tabular exports ------------------------------------------------------------------------------
-def _frame(rows: list[list[Any]], columns: Sequence[str]) -> pd.DataFrame:
-    """The public DataFrame from ``[function, line, *values, code]`` rows."""
-    import pandas as pd  # only when asked for a DataFrame: importing memlab stays light
-
-    index = pd.MultiIndex.from_arrays(
-        [pd.Index([r[0] for r in rows], dtype=object), pd.Index([r[1] for r in rows], dtype="int64")],
-        names=_INDEX,
-    )
-    data: dict[str, Any] = {}
-    for i, column in enumerate(columns):
-        data[column] = pd.array([r[2 + i] for r in rows], dtype="Int64")
-    data["code"] = pd.array([r[-1] for r in rows], dtype=object)
-    return pd.DataFrame(data, index=index, columns=pd.Index([*columns, "code"], dtype=object))
-
-
-def to_dataframe(tables: Sequence[FunctionTable], columns: Sequence[str]) -> pd.DataFrame:
-    """One row per source line of each function, indexed by (function, line)."""
-    rows = [
-        [t.name, number, *(None if v is None else v[c] for c in columns), code]
-        for t in tables
-        for number, code, v in t.lines
-    ]
-    return _frame(rows, columns)
-
-
-def _rows(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
-    import pandas as pd
-
-    columns = [c for c in frame.columns if c != "code"]
-    rows = []
-    for (function, line), record in zip(frame.index, frame.itertuples(index=False), strict=True):
-        values = [None if pd.isna(v) else int(v) for v in record[:-1]]
-        rows.append([function, int(line), *values, record[-1]])
-    return columns, rows
-
-
-def _write(text: str, path_or_buf: Any) -> str | None:
-    if path_or_buf is None:
-        return text
-    if hasattr(path_or_buf, "write"):
-        path_or_buf.write(text)
-    else:
-        with open(path_or_buf, "w", encoding="utf-8", newline="") as file:
-            file.write(text)
-    return None
-
-
-def _read(path_or_buf: Any) -> str:
-    if hasattr(path_or_buf, "read"):
-        return str(path_or_buf.read())
-    if isinstance(path_or_buf, (str, os.PathLike)) and os.path.exists(path_or_buf):
-        with open(path_or_buf, encoding="utf-8", newline="") as file:
-            return file.read()
-    if isinstance(path_or_buf, str):
-        return path_or_buf
-    raise TypeError(f"expected a path, a file object or the exported text, got {path_or_buf!r}")
-
-
-def write_json(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:
-    """Write a line-records DataFrame as JSON (``None`` for values of lines that never ran)."""
-    columns, rows = _rows(frame)
-    return _write(json.dumps({"format": _JSON_FORMAT, "columns": columns, "rows": rows}), path_or_buf)
-
-
-def read_json(path_or_buf: Any) -> pd.DataFrame:
-    """Read what ``LineProfiler.to_json`` wrote (a path, a file object or the JSON text) back into
-    the DataFrame ``LineProfiler.to_dataframe`` returned."""
-    data = json.loads(_read(path_or_buf))
-    if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
-        raise ValueError(f"not a memlab line profile (expected format {_JSON_FORMAT!r})")
-    return _frame(data["rows"], data["columns"])
-
-
-def write_csv(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:
-    """Write a line-records DataFrame as CSV (an empty cell where a line never ran)."""
-    columns, rows = _rows(frame)
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow([*_INDEX, *columns, "code"])
-    writer.writerows([["" if v is None else v for v in row] for row in rows])
-    return _write(buffer.getvalue(), path_or_buf)
-
-
-def read_csv(path_or_buf: Any) -> pd.DataFrame:
-    """Read what ``LineProfiler.to_csv`` wrote (a path, a file object or the CSV text) back into
-    the DataFrame ``LineProfiler.to_dataframe`` returned."""
-    reader = csv.reader(io.StringIO(_read(path_or_buf)))
-    header = next(reader)
-    if header[:2] != _INDEX or header[-1] != "code":
-        raise ValueError(f"not a memlab line profile CSV (expected columns {_INDEX} ... code)")
-    rows = [[r[0], int(r[1]), *(int(v) if v else None for v in r[2:-1]), r[-1]] for r in reader]
-    return _frame(rows, header[2:-1])

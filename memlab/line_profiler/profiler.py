@@ -18,6 +18,7 @@ import torch
 from line_profiler.profiler_mixin import ByCountProfilerMixin
 
 from memlab.line_profiler import display as _display
+from memlab.line_profiler import export as _export
 from memlab.line_profiler.records import (
     DEFAULT_COLUMNS,
     EXTRA_COLUMNS,
@@ -309,17 +310,17 @@ class LineProfiler(ByCountProfilerMixin):
         integers (``<NA>`` where a line never ran), then ``code``.
         """
         columns = self._all_columns() if columns is None else validate_columns(columns)
-        return _display.to_dataframe(self._tables(func, columns), columns)
+        return _export.to_dataframe(self._tables(func, columns), columns)
 
     def to_json(self, path_or_buf: Any = None, func: Any = None, columns: Any = None) -> str | None:
         """:meth:`to_dataframe` as JSON (returned as a string when ``path_or_buf`` is None);
         :func:`memlab.line_profiler.read_json` reads it back into the same DataFrame."""
-        return _display.write_json(self.to_dataframe(func, columns), path_or_buf)
+        return _export.write_json(self.to_dataframe(func, columns), path_or_buf)
 
     def to_csv(self, path_or_buf: Any = None, func: Any = None, columns: Any = None) -> str | None:
         """:meth:`to_dataframe` as CSV (returned as a string when ``path_or_buf`` is None);
         :func:`memlab.line_profiler.read_csv` reads it back into the same DataFrame."""
-        return _display.write_csv(self.to_dataframe(func, columns), path_or_buf)
+        return _export.write_csv(self.to_dataframe(func, columns), path_or_buf)
 
     def _all_columns(self) -> tuple[str, ...]:
         return ("hits", *self._records.layout.keys, "delta")
