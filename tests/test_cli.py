@@ -59,7 +59,7 @@ sys.exit(args.exit)
 # The first line of every table memlab run prints on CPU: its tracker is entered before the script.
 SOURCE_LINE = (
     "modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); "
-    "tensors made before the tracker was entered are not counted"
+    "counted from the program's first line"
 )
 # (active_bytes.all.peak, reserved_bytes.all.peak, line, code) of work(1024) on CPU.
 WORK_ROWS = [

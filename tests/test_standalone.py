@@ -23,7 +23,7 @@ def test_no_code_reads_data_from_beside_the_repository():
     readers = [
         path
         for path in tracked_files()
-        if path.endswith((".py", ".sh")) or path.startswith(".ci/")
+        if (path.endswith((".py", ".sh")) or path.startswith(".ci/")) and path != "tests/test_standalone.py"
         if SHARED_PATH.search((ROOT / path).read_text(encoding="utf-8"))
     ]
     assert readers == []

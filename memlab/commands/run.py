@@ -72,7 +72,9 @@ def _program_tracker(profiler: LineProfiler) -> contextlib.AbstractContextManage
     entered, which has seen every tensor since the program's first line."""
     device = with_index(parse_device(profiler.target_gpu))
     if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
-        return TensorTracker()
+        tracker = TensorTracker()
+        tracker.counted_from = "the program's first line"
+        return tracker
     return contextlib.nullcontext()
 
 

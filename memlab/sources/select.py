@@ -86,6 +86,8 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
             text += "; no tensors existed before profiling"
         if later:
             text += f", {later} more {'was' if later == 1 else 'were'} adopted at later calls"
+    elif source.counted_from is not None:
+        text += f"; counted from {source.counted_from}"
     elif not source.adopt_on_enter:
         text += "; tensors made before the tracker was entered are not counted"
     return text

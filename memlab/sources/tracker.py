@@ -128,6 +128,9 @@ class TensorTracker(TorchDispatchMode):
         self.adopt_on_enter = adopt
         #: ``(storages, bytes)`` adopted by each call of :meth:`adopt` that found any, in order.
         self.adoptions: list[tuple[int, int]] = []
+        #: Where counting began, when the one who entered the tracker knows (``memlab run``: "the
+        #: program's first line"); the line that says where numbers come from repeats it.
+        self.counted_from: str | None = None
         self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
         self._new_allocator = functools.partial(_ALLOCATORS[allocator], capacity=self.capacity)
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
