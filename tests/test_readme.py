@@ -61,10 +61,13 @@ def commands() -> list[tuple[str, int]]:
     return found
 
 
-def environment() -> dict[str, str]:
-    """The test's interpreter first on PATH (its ``memlab`` command), no GPU asked for."""
+def run(command: list[str] | str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in ``cwd`` with the test's interpreter first on PATH (its ``memlab``)."""
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(
+        command, shell=isinstance(command, str), cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_readme_has_blocks_of_every_kind():
@@ -77,14 +80,7 @@ def test_the_readme_has_blocks_of_every_kind():
 def test_python_block_runs_and_prints_what_the_readme_shows(code, expected, line, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code, encoding="utf-8")
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run([sys.executable, str(script)], tmp_path)
     assert result.returncode == 0, f"README.md line {line}:\n{result.stderr}"
     if expected is not None:
         assert result.stdout == expected, f"README.md line {line}"
@@ -99,14 +95,7 @@ def test_ipython_blocks_run_as_cells_of_one_session(tmp_path):
         f"for cell in {cells!r}:\n"
         "    shell.run_cell(cell).raise_error()\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", driver],
-        cwd=tmp_path,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run([sys.executable, "-c", driver], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "## work" in result.stdout
 
@@ -114,15 +103,7 @@ def test_ipython_blocks_run_as_cells_of_one_session(tmp_path):
 @pytest.mark.parametrize(("command", "line"), commands(), ids=lambda v: str(v)[:0])
 def test_command_runs_as_shown(command, line, tmp_path):
     (tmp_path / "memlab").symlink_to(ROOT / "memlab", target_is_directory=True)
-    result = subprocess.run(
-        command,
-        shell=True,
-        cwd=tmp_path,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run(command, tmp_path)
     assert result.returncode == 0, f"README.md line {line}: {command}\n{result.stderr}"
     assert re.search(r"^modelled.*: CUDA caching allocator replayed from cpu tensors", result.stdout, re.M)
     assert "\n## train_step" in result.stdout

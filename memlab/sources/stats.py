@@ -190,8 +190,11 @@ class StatTable:
             window.slow_reads = slow_reads
             names.update(shared_flag=self._windows.shared, shared_sample=self._windows.sample, window=window)
             shared = "    if shared_flag[0]:\n        return shared_sample(window)\n"
+        # Every name is a default argument: a local read costs less than a global one, which
+        # pays for the shared-window check.
+        parameters = ", ".join(f"{name}={name}" for name in names)
         source = (
-            "def sample():\n"
+            f"def sample({parameters}):\n"
             + ("    if pending:\n        flush()\n" if flush is not None else "")
             + shared
             + f"    values = ({', '.join(reads)}{',' if len(reads) == 1 else ''})\n"
