@@ -327,7 +327,7 @@ def _parse_offload(offload: Any) -> str | Path:
 
 def _is_device_string(text: str) -> bool:
     try:
-        torch.device(text)
-    except RuntimeError:
+        parse_device(text)
+    except ValueError:
         return False
     return True
