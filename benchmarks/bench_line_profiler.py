@@ -9,7 +9,9 @@ adds the pytorch_memlab comparisons). It measures:
 2. cost per profiled line event with the tracker source, against a ``sys.settrace`` callback that
    does nothing (target: at most 8x) and against pytorch_memlab's per-event work fed the same
    statistics by the same tracker (target: at most 1/5);
-3. growth of the profiler's own memory over 1,000,000 profiled line events (target: under 1 MiB).
+3. growth of the profiler's own memory over 1,000,000 profiled line events (target: under 1 MiB);
+4. cost per profiled call of adopting the tensors that exist: the first call walks ``gc`` (in
+   proportion to the objects alive), later calls only their arguments (no target: recorded).
 
 pytorch_memlab only traces when CUDA is available; here ``torch.cuda``'s statistics functions are
 replaced by the tracker's inside this process so that it does its per-event work on CPU.
@@ -61,6 +63,10 @@ def hot(n: int) -> int:
     for i in range(n):
         x += i
     return x
+
+
+def takes_batch(batch: list[torch.Tensor]) -> int:
+    return len(batch)
 
 
 def profiled_entry() -> int:
@@ -264,6 +270,22 @@ def bench_memory(report: Callable[[str], None]) -> None:
     )
 
 
+def bench_adoption(report: Callable[[str], None]) -> None:
+    batch = [torch.empty(256) for _ in range(8)]
+    objects = len(gc.get_objects())
+    lp = memlab.LineProfiler(takes_batch, source="tracker")
+    start = time.perf_counter()
+    lp.runcall(takes_batch, batch)
+    first = time.perf_counter() - start
+    plain = best_of(lambda: takes_batch(batch))
+    later = best_of(lambda: lp.runcall(takes_batch, batch))
+    report(
+        f"4. per profiled call with {objects} objects alive: the first adopts what gc reaches in "
+        f"{first * 1e3:.1f} ms; later calls, which adopt what their arguments hold (8 tensors), cost "
+        f"{(later - plain) * 1e6:.0f} us each"
+    )
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--outside"]:
         with contextlib.redirect_stdout(sys.stderr):
@@ -278,6 +300,7 @@ def main() -> None:
     bench_outside(report)
     bench_per_event(report)
     bench_memory(report)
+    bench_adoption(report)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -25,6 +25,7 @@ __all__ = [
     "reachable_tensors",
     "storages_of",
     "tensor_classes",
+    "tensors_within",
 ]
 
 #: The accessors of a sparse layout's component tensors, in the order they are listed.
@@ -62,14 +63,46 @@ def reachable_tensors() -> list[torch.Tensor]:
     return found
 
 
-def live_tensors() -> list[torch.Tensor]:
-    """:func:`reachable_tensors`, plus the ``.grad`` of leaves and the ``._base`` of views (which
-    hold memory although their Python objects may not exist yet), each tensor object once.
+def tensors_within(roots: Iterable[object], depth: int = 4) -> list[torch.Tensor]:
+    """The tensors held by ``roots`` (a call's arguments, say), without walking ``gc``: tensors
+    themselves, and inside lists, tuples, sets, dicts, modules (parameters and buffers), optimizers
+    (state and parameters) and the ``__dict__`` of other objects, down to ``depth`` levels."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    todo = [(root, depth) for root in roots]
+    while todo:
+        obj, left = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+            continue
+        if left == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), type)):
+            continue
+        if isinstance(obj, torch.nn.Module):
+            children: Iterable[object] = (*obj.parameters(), *obj.buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            children = (obj.state, obj.param_groups)
+        elif isinstance(obj, dict):
+            children = obj.values()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = obj
+        else:
+            children = getattr(obj, "__dict__", {}).values()
+        todo.extend((child, left - 1) for child in children)
+    return list(found.values())
+
+
+def live_tensors(roots: Iterable[object] | None = None) -> list[torch.Tensor]:
+    """:func:`reachable_tensors` (or, given ``roots``, :func:`tensors_within` them), plus the
+    ``.grad`` of leaves and the ``._base`` of views (which hold memory although their Python
+    objects may not exist yet), each tensor object once.
 
     Not visible: autograd's saved tensors, tensors held only by C++ (a graph kept alive by a loss
     that Python still holds shows its parameters, not its activations)."""
     found: dict[int, torch.Tensor] = {}
-    stack = reachable_tensors()
+    stack = reachable_tensors() if roots is None else tensors_within(roots)
     stack.reverse()  # popped in gc order
     while stack:
         tensor = stack.pop()
@@ -128,13 +161,15 @@ class LiveStorage:
         self.tensors: list[torch.Tensor] = []
 
 
-def live_storages(device: torch.device | None = None) -> dict[int, LiveStorage]:
-    """The storages behind :func:`live_tensors`, keyed by ``id`` of the storage object, each once,
-    in the order ``gc`` lists their first tensor; ``device`` keeps only storages on that device
-    (``cuda`` without an index: every CUDA device). Storages of zero bytes and storages whose size
-    is symbolic (fake tensors) are left out: they hold no memory."""
+def live_storages(
+    device: torch.device | None = None, roots: Iterable[object] | None = None
+) -> dict[int, LiveStorage]:
+    """The storages behind :func:`live_tensors` (of ``roots``, if given), keyed by ``id`` of the
+    storage object, each once, in the order their first tensor was found; ``device`` keeps only
+    storages on that device (``cuda`` without an index: every CUDA device). Storages of zero
+    bytes and storages whose size is symbolic (fake tensors) are left out: they hold no memory."""
     found: dict[int, LiveStorage] = {}
-    for tensor in live_tensors():
+    for tensor in live_tensors(roots):
         for storage in storages_of(tensor):
             if device is not None and not on_device(storage.device, device):
                 continue

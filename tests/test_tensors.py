@@ -18,6 +18,7 @@ from memlab._tensors import (
     reachable_tensors,
     storages_of,
     tensor_classes,
+    tensors_within,
 )
 
 
@@ -161,3 +162,20 @@ def test_live_storages_keep_only_the_device_asked_for_and_skip_empty_storages():
 )
 def test_on_device_matches_every_index_when_none_is_wanted(device: str, wanted: str, expected: bool):
     assert on_device(torch.device(device), torch.device(wanted)) is expected
+
+
+def test_tensors_within_finds_tensors_in_containers_modules_optimizers_and_objects():
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 2)
+        model.register_buffer("scale", torch.empty(3))
+        loose = torch.empty(5)
+        nested = {"batch": [torch.empty(6), (torch.empty(7),)]}
+
+    class Holder:
+        def __init__(self):
+            self.model = model
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    found = tensors_within([loose, nested, Holder(), optimizer, "text", 3])
+    assert sorted(t.numel() for t in found) == [2, 3, 5, 6, 7, 8]  # bias, scale, loose, batch, weight
+    assert tensors_within([[[[[[torch.empty(1, device="meta")]]]]]]) == []  # deeper than 4 levels

@@ -41,21 +41,26 @@ _JSON_FORMAT = "memlab.line_profiler/1"
 
 
 # -- plain data -----------------------------------------------------------------------------------
-def records_to_data(tables: Sequence[FunctionTable], columns: Sequence[str]) -> dict[str, Any]:
+def records_to_data(
+    tables: Sequence[FunctionTable], columns: Sequence[str], source: str | None = None
+) -> dict[str, Any]:
     """``tables`` as plain data that ``json.dumps`` and ``pickle`` take and another process reads
     with :func:`records_from_data`::
 
-        {"format": "memlab.line_records", "version": 1, "columns": [column, ...],
+        {"format": "memlab.line_records", "version": 1, "source": line or None,
+         "columns": [column, ...],
          "functions": [{"name", "filename", "calls",
                         "lines": [[line number, source text, [value per column] or None], ...]}]}
 
     Values are what the tables hold for ``columns`` (bytes for ``*_bytes.*`` and ``delta``,
-    nanoseconds for ``time``, counts otherwise); ``None`` for a line that never ran.
+    nanoseconds for ``time``, counts otherwise); ``None`` for a line that never ran. ``source`` is
+    the line that says where the numbers come from (``LineProfiler.source_line()``).
     """
     columns = list(columns)
     return {
         "format": FORMAT,
         "version": VERSION,
+        "source": source,
         "columns": columns,
         "functions": [
             {
@@ -104,7 +109,7 @@ def _table(function: dict[str, Any], columns: list[str]) -> FunctionTable:
 
 
 # -- DataFrame ------------------------------------------------------------------------------------
-def _frame(rows: list[list[Any]], columns: Sequence[str]) -> pd.DataFrame:
+def _frame(rows: list[list[Any]], columns: Sequence[str], source: str | None = None) -> pd.DataFrame:
     """The public DataFrame from ``[function, line, *values, code]`` rows."""
     import pandas as pd  # only when asked for a DataFrame: importing memlab stays light
 
@@ -116,17 +121,22 @@ def _frame(rows: list[list[Any]], columns: Sequence[str]) -> pd.DataFrame:
     for i, column in enumerate(columns):
         data[column] = pd.array([r[2 + i] for r in rows], dtype="Int64")
     data["code"] = pd.array([r[-1] for r in rows], dtype=object)
-    return pd.DataFrame(data, index=index, columns=pd.Index([*columns, "code"], dtype=object))
+    frame = pd.DataFrame(data, index=index, columns=pd.Index([*columns, "code"], dtype=object))
+    frame.attrs["source"] = source
+    return frame
 
 
-def to_dataframe(tables: Sequence[FunctionTable], columns: Sequence[str]) -> pd.DataFrame:
-    """One row per source line of each function, indexed by (function, line)."""
+def to_dataframe(
+    tables: Sequence[FunctionTable], columns: Sequence[str], source: str | None = None
+) -> pd.DataFrame:
+    """One row per source line of each function, indexed by (function, line); ``attrs["source"]``
+    is the line that says where the numbers come from."""
     rows = [
         [t.name, number, *(None if v is None else v[c] for c in columns), code]
         for t in tables
         for number, code, v in t.lines
     ]
-    return _frame(rows, columns)
+    return _frame(rows, columns, source)
 
 
 def _rows(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
@@ -166,9 +176,11 @@ def _read(path_or_buf: Any, is_text: bool) -> str:
 
 
 def write_json(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:
-    """Write a line-records DataFrame as JSON (``None`` for values of lines that never ran)."""
+    """Write a line-records DataFrame as JSON (``None`` for values of lines that never ran), with
+    the line that says where its numbers come from (``frame.attrs["source"]``)."""
     columns, rows = _rows(frame)
-    return _write(json.dumps({"format": _JSON_FORMAT, "columns": columns, "rows": rows}), path_or_buf)
+    data = {"format": _JSON_FORMAT, "source": frame.attrs.get("source"), "columns": columns, "rows": rows}
+    return _write(json.dumps(data), path_or_buf)
 
 
 def read_json(path_or_buf: Any) -> pd.DataFrame:
@@ -183,7 +195,7 @@ def read_json(path_or_buf: Any) -> pd.DataFrame:
     data = json.loads(_read(path_or_buf, is_text))
     if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
         raise ValueError(f"not a memlab line profile (expected format {_JSON_FORMAT!r})")
-    return _frame(data["rows"], data["columns"])
+    return _frame(data["rows"], data["columns"], data.get("source"))
 
 
 def write_csv(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:

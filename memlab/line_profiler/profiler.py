@@ -230,7 +230,7 @@ class LineProfiler(ByCountProfilerMixin):
         try:
             sample = selection.source.sampler(layout.sample_keys, selection.device)
             entry_sample = selection.source.sampler(layout.entry_keys, selection.device)
-            self._tracer.start(layout, sample, entry_sample)
+            self._tracer.start(layout, sample, entry_sample, selection.on_call)
         except BaseException:
             selection.close()
             raise
@@ -307,10 +307,11 @@ class LineProfiler(ByCountProfilerMixin):
 
         Columns: ``hits`` then the statistics (default: all recorded, then ``delta``), in bytes for
         ``*_bytes.*`` keys and ``delta``, nanoseconds for ``time``, counts otherwise, as nullable
-        integers (``<NA>`` where a line never ran), then ``code``.
+        integers (``<NA>`` where a line never ran), then ``code``. ``attrs["source"]`` is
+        :meth:`source_line` (JSON keeps it; CSV has no place for it).
         """
         columns = self._all_columns() if columns is None else validate_columns(columns)
-        return _export.to_dataframe(self._tables(func, columns), columns)
+        return _export.to_dataframe(self._tables(func, columns), columns, self.source_line())
 
     def to_json(self, path_or_buf: Any = None, func: Any = None, columns: Any = None) -> str | None:
         """:meth:`to_dataframe` as JSON (returned as a string when ``path_or_buf`` is None);

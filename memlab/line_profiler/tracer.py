@@ -136,6 +136,7 @@ class Tracer:
         self.functions = functions
         self.sample: Sampler | None = None
         self.entry_sample: Sampler | None = None
+        self.on_call: Callable[[FrameType], object] | None = None
         self._layout: ColumnLayout | None = None
         self._make_local: tuple[Callable[..., TraceFunction], Callable[..., TraceFunction]] | None = None
         self._thread_hook: TraceFunction | None = None
@@ -144,9 +145,18 @@ class Tracer:
         self._owner = object()  # marks this tracer's local tracers (several profilers may chain)
 
     # -- session ------------------------------------------------------------------------------
-    def start(self, layout: ColumnLayout, sample: Sampler, entry_sample: Sampler) -> None:
+    def start(
+        self,
+        layout: ColumnLayout,
+        sample: Sampler,
+        entry_sample: Sampler,
+        on_call: Callable[[FrameType], object] | None = None,
+    ) -> None:
         """Begin a session: read ``sample`` at line events and ``entry_sample`` (the current values
-        behind the peak columns) at calls; trace threads started from now on."""
+        behind the peak columns) at calls; call ``on_call(frame)`` at each call of a registered
+        function that has no profiled caller, before its state at entry is read; trace threads
+        started from now on."""
+        self.on_call = on_call
         if layout != self._layout:
             self._layout = layout
             self._make_local = (_local_factory(layout, False), _local_factory(layout, True))
@@ -163,7 +173,7 @@ class Tracer:
         if threading.gettrace() is self._thread_hook:
             threading.settrace(_skip_retired(self._previous_thread_hook))  # type: ignore[arg-type]
         self._thread_hook = None
-        self.sample = self.entry_sample = None  # a live sampler keeps its window open
+        self.sample = self.entry_sample = self.on_call = None  # a live sampler keeps its window open
 
     # -- one thread -----------------------------------------------------------------------------
     def install(self) -> tuple[TraceFunction, TraceFunction | None, list[bool]] | None:
@@ -229,6 +239,8 @@ class Tracer:
         sample, layout = self.sample, self._layout
         assert sample is not None and layout is not None and self._make_local is not None
         parent_box = self._parent_box(frame)
+        if parent_box is None and self.on_call is not None:
+            self.on_call(frame)
         start = sample()
         if parent_box is not None and layout.peaks:
             # The time since the caller's last event, up to this call, is inside the caller's line.

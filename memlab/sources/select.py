@@ -15,6 +15,7 @@ The rule, the same for the line profiler, the magics, the command line and the r
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -99,12 +100,18 @@ def _storages(count: int) -> str:
 
 class Selection:
     """An open memory source: ``source`` to sample, ``device`` to sample it for, ``close()`` to end
-    its use, and :meth:`describe` for the line that says where the numbers come from."""
+    its use, :meth:`describe` for the line that says where the numbers come from, and
+    ``on_call`` (or ``None``): what to do at each outermost profiled call with its frame (an
+    adopting tracker adopts the tensors its arguments hold)."""
 
     def __init__(
         self, source: Any, device: torch.device | None, close: Callable[[], None], fallback: bool
     ) -> None:
+        from memlab.sources.tracker import TensorTracker
+
         self.source, self.device, self.close, self.fallback = source, device, close, fallback
+        adopting = isinstance(source, TensorTracker) and source.adopt_on_enter
+        self.on_call: Callable[[FrameType], None] | None = source.adopt_arguments if adopting else None
 
     def describe(self) -> str:
         """See :func:`describe_source` (read when asked: adoption counts grow between sessions)."""
@@ -128,8 +135,9 @@ class SourceSelector:
 
     ``source`` is ``None``/``"auto"`` (the rule in the module docstring), ``"cuda"``, ``"tracker"``
     or a ``MemorySource`` used as it is. A tracker memlab creates is kept between sessions (memory
-    a profiled call keeps is still counted at the next call) and adopts, at every session start,
-    the tensors it does not know yet; a tracker the user entered is used as it is.
+    a profiled call keeps is still counted at the next call); it adopts the tensors ``gc`` can
+    reach at its first session and, at every profiled call, those the call's arguments hold. A
+    tracker the user entered is used as it is.
     """
 
     def __init__(self, source: str | MemorySource | None = None) -> None:
@@ -159,8 +167,6 @@ class SourceSelector:
 
         tracker = active_tracker()
         if tracker is not None:
-            if tracker.adopt_on_enter:
-                tracker.adopt()  # tensors created since it was entered, in other threads or outside it
             return Selection(tracker, device, lambda: None, fallback)
         if self._tracker is None:
             self._tracker = TensorTracker(adopt=True)

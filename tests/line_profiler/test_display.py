@@ -141,7 +141,9 @@ def test_to_dataframe_has_one_row_per_source_line_and_nullable_integers(profiled
 
 def test_json_export_reads_back_into_the_same_dataframe(profiled):
     text = profiled.to_json()
-    pd.testing.assert_frame_equal(read_json(text), profiled.to_dataframe())
+    back = read_json(text)
+    pd.testing.assert_frame_equal(back, profiled.to_dataframe())
+    assert back.attrs["source"] == profiled.to_dataframe().attrs["source"] == EXACT
 
 
 def test_csv_export_reads_back_into_the_same_dataframe(profiled, tmp_path):

@@ -41,9 +41,13 @@ def profiled(exact):
 
 def test_records_round_trip_through_json_and_pickle(profiled):
     stats = profiled.display(None, COLUMNS)
-    data = records_to_data(stats.tables, COLUMNS)
+    data = records_to_data(stats.tables, COLUMNS, profiled.source_line())
     first = branch.__code__.co_firstlineno
     assert data["format"] == "memlab.line_records" and data["version"] == 1
+    assert data["source"] == (
+        "modelled (no CUDA GPU here): exact bytes of cpu tensors (memlab.TensorTracker(allocator=None)); "
+        "tensors made before the tracker was entered are not counted"
+    )
     assert data["columns"] == list(COLUMNS)
     assert [(f["name"], f["calls"], f["filename"]) for f in data["functions"]] == [
         ("branch", 2, __file__),
@@ -60,6 +64,9 @@ def test_records_round_trip_through_json_and_pickle(profiled):
     for copy in (json.loads(json.dumps(data)), pickle.loads(pickle.dumps(data))):
         tables = records_from_data(copy)
         assert tables == stats.tables
+        assert repr(LineStats(tables, copy["columns"], copy["source"])) == repr(
+            profiled.display(None, COLUMNS)
+        )
         assert repr(LineStats(tables, copy["columns"])) == repr(shown)
         assert LineStats(tables, copy["columns"])._repr_html_() == shown._repr_html_()
 

@@ -314,7 +314,7 @@ def test_tensors_alive_before_profiling_are_in_the_def_row_as_on_a_gpu():
     with torch.device("meta"):
         layer = torch.nn.Linear(100, 100)
 
-    def grow():
+    def grow(batch=None):
         return torch.empty(1000, dtype=U8, device="meta")
 
     lp = memlab.LineProfiler(grow, target_gpu="meta", columns=("active_bytes.all.peak",))
@@ -326,10 +326,10 @@ def test_tensors_alive_before_profiling_are_in_the_def_row_as_on_a_gpu():
     )
     # the layer: 40 448 B + 512 B; then grow's 1000 B as a 1 KiB block
     assert [row[1] for row in lp.to_dataframe(grow).itertuples(index=False)] == [40_960, 40_960 + 1024]
-    between = torch.empty(2048, dtype=U8, device="meta")  # made outside profiling, alive at the next call
+    batch = torch.empty(2048, dtype=U8, device="meta")  # made between calls and passed to the next
     with lp:
-        grow()
+        grow(batch)
     assert lp.source_line().endswith("existed before profiling, 1 more was adopted at later calls")
     peaks = [row[1] for row in lp.to_dataframe(grow).itertuples(index=False)]
     assert peaks == [40_960 + 1024 + 2048, 40_960 + 1024 + 2048 + 1024]
-    del layer, kept, between
+    del layer, kept, batch
