@@ -63,10 +63,13 @@ def reachable_tensors() -> list[torch.Tensor]:
     return found
 
 
-def tensors_within(roots: Iterable[object], depth: int = 4) -> list[torch.Tensor]:
+def tensors_within(roots: Iterable[object], depth: int = 4, breadth: int = 256) -> list[torch.Tensor]:
     """The tensors held by ``roots`` (a call's arguments, say), without walking ``gc``: tensors
     themselves, and inside lists, tuples, sets, dicts, modules (parameters and buffers), optimizers
-    (state and parameters) and the ``__dict__`` of other objects, down to ``depth`` levels."""
+    (state and parameters) and the ``__dict__`` of other objects, down to ``depth`` levels. A
+    container or object of more than ``breadth`` items (other than a module or an optimizer) is not
+    entered (a data set passed as an argument would make every call slow), nor is an object that
+    refuses to be read."""
     found: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
     todo = [(root, depth) for root in roots]
@@ -78,20 +81,30 @@ def tensors_within(roots: Iterable[object], depth: int = 4) -> list[torch.Tensor
         if isinstance(obj, torch.Tensor):
             found[id(obj)] = obj
             continue
-        if left == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None), type)):
+        if left == 0 or isinstance(obj, _LEAVES):
             continue
-        if isinstance(obj, torch.nn.Module):
-            children: Iterable[object] = (*obj.parameters(), *obj.buffers())
-        elif isinstance(obj, torch.optim.Optimizer):
-            children = (obj.state, obj.param_groups)
-        elif isinstance(obj, dict):
-            children = obj.values()
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            children = obj
-        else:
-            children = getattr(obj, "__dict__", {}).values()
-        todo.extend((child, left - 1) for child in children)
+        try:
+            children = _children(obj)
+            if len(children) <= breadth or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                todo.extend((child, left - 1) for child in children)
+        except Exception:  # a user object whose attributes or items cannot be read
+            continue
     return list(found.values())
+
+
+_LEAVES = (str, bytes, int, float, bool, type(None), type)
+
+
+def _children(obj: object) -> list[object] | tuple[object, ...]:
+    if isinstance(obj, torch.nn.Module):
+        return (*obj.parameters(), *obj.buffers())
+    if isinstance(obj, torch.optim.Optimizer):
+        return (obj.state, obj.param_groups)
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return tuple(obj)
+    return list(getattr(obj, "__dict__", {}).values())
 
 
 def live_tensors(roots: Iterable[object] | None = None) -> list[torch.Tensor]:

@@ -179,3 +179,21 @@ def test_tensors_within_finds_tensors_in_containers_modules_optimizers_and_objec
     found = tensors_within([loose, nested, Holder(), optimizer, "text", 3])
     assert sorted(t.numel() for t in found) == [2, 3, 5, 6, 7, 8]  # bias, scale, loose, batch, weight
     assert tensors_within([[[[[[torch.empty(1, device="meta")]]]]]]) == []  # deeper than 4 levels
+
+
+def test_tensors_within_does_not_enter_large_containers_or_objects_that_refuse():
+    class Refuses:
+        @property
+        def __dict__(self):
+            raise RuntimeError("no")
+
+    inside = torch.empty(3, device="meta")
+    assert tensors_within([[inside] * 257]) == []
+    assert tensors_within([[inside] * 256]) == [inside]
+    assert tensors_within([Refuses(), inside]) == [inside]
+
+
+def test_tensors_within_enters_modules_with_many_parameters():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(1, 1) for _ in range(200)))
+    assert len(tensors_within([model])) == 400
