@@ -10,6 +10,7 @@ numbers a GPU would show.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections import deque
@@ -190,8 +191,10 @@ class TensorTracker(TorchDispatchMode):
 
     def adopt_arguments(self, frame: FrameType) -> None:
         """:meth:`adopt` the tensors held by the arguments of the call that ``frame`` starts (the
-        line profiler calls it at each outermost profiled call)."""
-        self.adopt(roots=frame.f_locals.values())
+        line profiler calls it at each outermost profiled call, from its trace function, where an
+        exception would stop the user's program: an argument that cannot be read is skipped)."""
+        with contextlib.suppress(Exception):
+            self.adopt(roots=frame.f_locals.values())
 
     def adopt(
         self, device: torch.device | str | int | None = None, roots: Iterable[object] | None = None
