@@ -145,7 +145,8 @@ class MemlabMagics(Magics):
         GPU the numbers come from a :class:`memlab.TensorTracker` replaying the code's tensor
         allocations through a model of the CUDA caching allocator: what a GPU would show, minus
         what a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside
-        PyTorch) and tensors created before the magic ran (unless a tracker was entered before).
+        PyTorch). Tensors made by earlier cells count, as on a GPU: the tracker adopts what ``gc``
+        can reach when the magic starts, and the table's first line says how much.
         Returns the table (HTML in a notebook, text in a terminal); with ``-r`` shows
         it and returns the profiler. If the code raises, the table so far is shown first.
         """
