@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memlab.history.recorder import ALLOC, FREE_COMPLETED, FREE_REQUESTED
 from memlab.sources.allocator.blocks import (
     ONE_EXABYTE,
     AllocatorBase,
@@ -28,8 +29,8 @@ class ExactAllocator(AllocatorBase):
     there is no retry). 0 bytes returns handle 0 and changes nothing.
     """
 
-    def __init__(self, capacity: int | str | None = None) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int | str | None = None, history: Any = None) -> None:
+        super().__init__(capacity, history)
         self.table.counters["max_split_size"] = -1
         self._small = BlockPool(self.table, small=True)
         self._large = BlockPool(self.table, small=False)
@@ -81,6 +82,26 @@ class ExactAllocator(AllocatorBase):
             stat[0] -= amount
             stat[3] += amount
         self.table.counters["num_device_free"] += 1
+
+    # With a history each allocation is a segment_alloc and an alloc, each free a free_requested,
+    # a free_completed and a segment_free; the address is the handle, as in snapshot().
+
+    def _recorded_malloc(self, nbytes: int) -> int:
+        handle = ExactAllocator.malloc(self, nbytes)
+        if handle:
+            nbytes = self._live[handle]
+            self._record_segment(True, handle, nbytes)
+            self.history.record(ALLOC, handle, nbytes)  # type: ignore[union-attr]
+        return handle
+
+    def _recorded_free(self, handle: int) -> None:
+        nbytes = self._live.get(handle) if type(handle) is int else None
+        if nbytes is not None:
+            self.history.record(FREE_REQUESTED, handle, nbytes)  # type: ignore[union-attr]
+        ExactAllocator.free(self, handle)
+        if nbytes is not None:
+            self.history.record(FREE_COMPLETED, handle, nbytes)  # type: ignore[union-attr]
+            self._record_segment(False, handle, nbytes)
 
     def empty_cache(self) -> None:
         """Nothing is cached, so nothing happens (no counter changes)."""
