@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from memlab._units import parse_size
+from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import (
     ALLOC,
     FREE_COMPLETED,
@@ -119,6 +120,14 @@ class AllocatorBase:
         ``allocated``/``freed`` running totals since construction or the last reset.
         """
         return self.table.as_dict()
+
+    def history_snapshot(self, device: int = 0) -> dict[str, Any]:
+        """The dict of ``torch.cuda.memory._snapshot()`` for this allocator as CUDA device ``device``:
+        ``segments`` (what ``snapshot()`` lists, with PyTorch's extra keys and the frames that
+        allocated each block) and ``device_traces`` (this allocator's :attr:`history`, empty
+        without one). See :func:`memlab.history.export.allocator_snapshot`. ``snapshot()`` keeps
+        returning only the segments, as ``torch.cuda.memory_snapshot()`` does."""
+        return allocator_snapshot(self, device)
 
     def reset_peak_memory_stats(self) -> None:
         """Set every ``peak`` to its ``current`` value, like ``torch.cuda.reset_peak_memory_stats()``."""
