@@ -126,6 +126,7 @@ class History:
         """Append one entry (``action`` an index into :data:`ACTIONS`), dropping the oldest when full."""
         stack = self.stack()
         now = time.time_ns() // 1000
+        self.recorded += 1
         if action == ALLOC:
             self.block_contexts[addr] = (stack, 0)
         elif action == FREE_COMPLETED:
