@@ -122,9 +122,13 @@ class History:
     def __len__(self) -> int:
         return len(self._actions)
 
-    def record(self, action: int, addr: int, size: int) -> None:
-        """Append one entry (``action`` an index into :data:`ACTIONS`), dropping the oldest when full."""
-        stack = self.stack()
+    def record(self, action: int, addr: int, size: int, stack: Stack | None = None) -> None:
+        """Append one entry (``action`` an index into :data:`ACTIONS`), dropping the oldest when full.
+
+        ``stack`` defaults to ``self.stack()``; events of one call (a free's two entries) pass the
+        stack they captured once."""
+        if stack is None:
+            stack = self.stack()
         now = time.time_ns() // 1000
         self.recorded += 1
         if action == ALLOC:

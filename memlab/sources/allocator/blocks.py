@@ -92,12 +92,15 @@ class AllocatorBase:
         return handle
 
     def _recorded_free(self, handle: int) -> None:
-        extent = self._extent(handle) if type(handle) is int and handle in self._live else None
-        if extent is not None:
-            self.history.record(FREE_REQUESTED, *extent)  # type: ignore[union-attr]
+        if type(handle) is not int or handle not in self._live:
+            type(self).free(self, handle)  # frees nothing, or raises for a bad handle
+            return
+        history: History = self.history  # type: ignore[assignment]
+        addr, requested = self._extent(handle)
+        stack = history.stack()
+        history.record(FREE_REQUESTED, addr, requested, stack)
         type(self).free(self, handle)
-        if extent is not None:
-            self.history.record(FREE_COMPLETED, *extent)  # type: ignore[union-attr]
+        history.record(FREE_COMPLETED, addr, requested, stack)
 
     def _record_segment(self, alloc: bool, addr: int, size: int) -> None:
         """Record a segment mapped (``alloc``) or released, if this allocator keeps a history."""

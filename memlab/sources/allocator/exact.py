@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from memlab.history.recorder import ALLOC, FREE_COMPLETED, FREE_REQUESTED
+from memlab.history.recorder import (
+    ALLOC,
+    FREE_COMPLETED,
+    FREE_REQUESTED,
+    SEGMENT_ALLOC,
+    SEGMENT_FREE,
+    History,
+)
 from memlab.sources.allocator.blocks import (
     ONE_EXABYTE,
     AllocatorBase,
@@ -90,18 +97,23 @@ class ExactAllocator(AllocatorBase):
         handle = ExactAllocator.malloc(self, nbytes)
         if handle:
             nbytes = self._live[handle]
-            self._record_segment(True, handle, nbytes)
-            self.history.record(ALLOC, handle, nbytes)  # type: ignore[union-attr]
+            history: History = self.history  # type: ignore[assignment]
+            stack = history.stack()
+            history.record(SEGMENT_ALLOC, handle, nbytes, stack)
+            history.record(ALLOC, handle, nbytes, stack)
         return handle
 
     def _recorded_free(self, handle: int) -> None:
         nbytes = self._live.get(handle) if type(handle) is int else None
-        if nbytes is not None:
-            self.history.record(FREE_REQUESTED, handle, nbytes)  # type: ignore[union-attr]
+        if nbytes is None:
+            ExactAllocator.free(self, handle)  # frees nothing, or raises for a bad handle
+            return
+        history: History = self.history  # type: ignore[assignment]
+        stack = history.stack()
+        history.record(FREE_REQUESTED, handle, nbytes, stack)
         ExactAllocator.free(self, handle)
-        if nbytes is not None:
-            self.history.record(FREE_COMPLETED, handle, nbytes)  # type: ignore[union-attr]
-            self._record_segment(False, handle, nbytes)
+        history.record(FREE_COMPLETED, handle, nbytes, stack)
+        history.record(SEGMENT_FREE, handle, nbytes, stack)
 
     def empty_cache(self) -> None:
         """Nothing is cached, so nothing happens (no counter changes)."""
