@@ -6,6 +6,7 @@ Importing memlab has no side effects: it does not initialise CUDA, install a tra
 from __future__ import annotations
 
 from memlab.courtesy import Courtesy
+from memlab.history.export import dump_snapshot
 from memlab.line_profiler import (
     DEFAULT_COLUMNS,
     LineProfiler,
@@ -41,6 +42,7 @@ __all__ = [
     "TensorTracker",
     "__version__",
     "clear_global_line_profiler",
+    "dump_snapshot",
     "load_ipython_extension",
     "profile",
     "profile_every",

@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memlab._devices import resolve_device
 from memlab._tensors import live_storages, storages_of
 from memlab._units import parse_size
+from memlab.history.export import allocator_snapshot
+from memlab.history.recorder import capture_stack, make_history
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 
 __all__ = ["TensorTracker", "active_tracker"]
@@ -117,7 +119,11 @@ class TensorTracker(TorchDispatchMode):
     """
 
     def __init__(
-        self, allocator: str | None = "cuda", capacity: int | str | None = None, adopt: bool = False
+        self,
+        allocator: str | None = "cuda",
+        capacity: int | str | None = None,
+        adopt: bool = False,
+        history: bool | int | None = None,
     ) -> None:
         super().__init__()
         if allocator not in _ALLOCATORS:
@@ -134,8 +140,15 @@ class TensorTracker(TorchDispatchMode):
         #: Where counting began, when the one who entered the tracker knows (``memlab run``: "the
         #: program's first line"); the line that says where numbers come from repeats it.
         self.counted_from: str | None = None
+        if history is not None and not isinstance(history, (bool, int)):
+            raise TypeError(
+                f"history must be None, False, True or an int max_entries > 0, got {type(history).__name__} "
+                f"{history!r}"
+            )
+        make_history(history)  # a bad max_entries fails here
+        #: ``None``/``False`` (no history), ``True`` (unbounded) or ``max_entries`` per device.
+        self.history = history
         self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
-        self._new_allocator = functools.partial(_ALLOCATORS[allocator], capacity=self.capacity)
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
         self._seen: dict[torch.device, None] = {}  # devices of tracked storages, in order
@@ -233,6 +246,10 @@ class TensorTracker(TorchDispatchMode):
             self.adoptions.append((len(storages), adopted))
         return len(storages), adopted
 
+    def _new_allocator(self) -> Any:
+        history = make_history(self.history, capture_stack)
+        return _ALLOCATORS[self.allocator](capacity=self.capacity, history=history)
+
     def _allocator_for(self, device: torch.device) -> Any:
         allocator = self._allocators.get(device)
         if allocator is None:
@@ -324,6 +341,23 @@ class TensorTracker(TorchDispatchMode):
     def empty_cache(self, device: torch.device | str | int | None = None) -> None:
         """Release the modelled cached blocks of ``device``, as ``torch.cuda.empty_cache()`` would."""
         self._stats_allocator(device).empty_cache()
+
+    def snapshot(self, device: torch.device | str | int | None = None) -> dict[str, Any]:
+        """The memory snapshot of ``device`` in the format of ``torch.cuda.memory._snapshot()``
+        (``device=None`` read as by :meth:`memory_stats`), for PyTorch's viewer and
+        ``python -m torch.cuda._memory_viz``: see :func:`memlab.history.export.allocator_snapshot`.
+
+        ``segments`` are the modelled allocator's segments and blocks now (sizes in bytes, their
+        total equal to ``reserved_bytes.all.current``); with ``history`` on, each active block
+        carries the Python stack that allocated it and ``device_traces`` every recorded event
+        (with ``history`` off it is empty). The device index is the device's own (0 for ``cpu``
+        and ``meta``, which the snapshot presents as a CUDA device). Stacks leave out torch's
+        and memlab's own frames; they cannot name what runs outside Python (C++ autograd
+        threads report the Python stack of the thread that triggered them, if any).
+        """
+        allocator = self._stats_allocator(device)
+        index = next(d for d, a in self._allocators.items() if a is allocator).index
+        return allocator_snapshot(allocator, index or 0)
 
     @property
     def devices(self) -> list[torch.device]:

@@ -16,6 +16,17 @@ from typing import Any
 import torch
 
 from memlab._units import parse_size
+from memlab.history.export import allocator_snapshot
+from memlab.history.recorder import (
+    ALLOC,
+    FREE_COMPLETED,
+    FREE_REQUESTED,
+    OOM,
+    SEGMENT_ALLOC,
+    SEGMENT_FREE,
+    History,
+    make_history,
+)
 from memlab.sources.allocator.messages import oom_message
 from memlab.sources.stats import StatTable, decrease, increase
 
@@ -56,11 +67,45 @@ class AllocatorBase:
 
     table: StatTable
 
-    def __init__(self, capacity: int | str | None) -> None:
+    def __init__(self, capacity: int | str | None, history: Any = None) -> None:
         self.capacity: int | None = None if capacity is None else parse_size(capacity, name="capacity")
         self.table = StatTable(aliases={"active": "allocation", "active_bytes": "allocated_bytes"})
         self._live: dict[int, Any] = {}
         self._next_handle = 1
+        #: The :class:`~memlab.history.recorder.History` of this allocator's events, or ``None``.
+        self.history: History | None = make_history(history)
+        if self.history is not None:
+            # Recording wraps malloc/free per instance, so an allocator without history runs the
+            # class's methods with no extra branch (benchmarks/bench_allocator.py).
+            self.malloc = self._recorded_malloc  # type: ignore[method-assign]
+            self.free = self._recorded_free  # type: ignore[method-assign]
+
+    def _extent(self, handle: int) -> tuple[int, int]:
+        """The address and requested bytes of a live handle's block."""
+        raise NotImplementedError
+
+    def _recorded_malloc(self, nbytes: int) -> int:
+        handle = type(self).malloc(self, nbytes)
+        if handle:
+            addr, requested = self._extent(handle)
+            self.history.record(ALLOC, addr, requested)  # type: ignore[union-attr]
+        return handle
+
+    def _recorded_free(self, handle: int) -> None:
+        if type(handle) is not int or handle not in self._live:
+            type(self).free(self, handle)  # frees nothing, or raises for a bad handle
+            return
+        history: History = self.history  # type: ignore[assignment]
+        addr, requested = self._extent(handle)
+        stack = history.stack()
+        history.record(FREE_REQUESTED, addr, requested, stack)
+        type(self).free(self, handle)
+        history.record(FREE_COMPLETED, addr, requested, stack)
+
+    def _record_segment(self, alloc: bool, addr: int, size: int) -> None:
+        """Record a segment mapped (``alloc``) or released, if this allocator keeps a history."""
+        if self.history is not None:
+            self.history.record(SEGMENT_ALLOC if alloc else SEGMENT_FREE, addr, size)
 
     def _bad_handle(self, handle: Any) -> Exception:
         if isinstance(handle, bool) or not isinstance(handle, int):
@@ -79,6 +124,14 @@ class AllocatorBase:
         """
         return self.table.as_dict()
 
+    def history_snapshot(self, device: int = 0) -> dict[str, Any]:
+        """The dict of ``torch.cuda.memory._snapshot()`` for this allocator as CUDA device ``device``:
+        ``segments`` (what ``snapshot()`` lists, with PyTorch's extra keys and the frames that
+        allocated each block) and ``device_traces`` (this allocator's :attr:`history`, empty
+        without one). See :func:`memlab.history.export.allocator_snapshot`. ``snapshot()`` keeps
+        returning only the segments, as ``torch.cuda.memory_snapshot()`` does."""
+        return allocator_snapshot(self, device)
+
     def reset_peak_memory_stats(self) -> None:
         """Set every ``peak`` to its ``current`` value, like ``torch.cuda.reset_peak_memory_stats()``."""
         self.table.reset_peaks()
@@ -94,6 +147,8 @@ class AllocatorBase:
         allocated = stats["allocated_bytes.all"][0]
         reserved = stats["reserved_bytes.all"][0]
         capacity = self.capacity if self.capacity is not None else 0
+        if self.history is not None:
+            self.history.record(OOM, capacity - reserved, tried)
         return torch.OutOfMemoryError(oom_message(tried, capacity, capacity - reserved, allocated, reserved))
 
 

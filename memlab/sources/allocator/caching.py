@@ -70,8 +70,10 @@ class CachingAllocatorModel(AllocatorBase):
     (``capacity`` is compared with reserved bytes exactly).
     """
 
-    def __init__(self, capacity: int | str | None = None, config: str | None = None) -> None:
-        super().__init__(capacity)
+    def __init__(
+        self, capacity: int | str | None = None, config: str | None = None, history: Any = None
+    ) -> None:
+        super().__init__(capacity, history)
         self.config: AllocatorConfig = parse_alloc_conf(config)
         self.table.counters["max_split_size"] = self.config.reported_max_split_size
         self._max_split = self.config.max_split_size
@@ -84,7 +86,13 @@ class CachingAllocatorModel(AllocatorBase):
         self._expandable: ExpandableSegments | None = None
         if self.config.expandable_segments:
             self._expandable = ExpandableSegments(
-                self.table, self._small, self._large, self.config, self.capacity, base_address=_FIRST_ADDRESS
+                self.table,
+                self._small,
+                self._large,
+                self.config,
+                self.capacity,
+                base_address=_FIRST_ADDRESS,
+                history=self.history,
             )
 
     # -- the hot path -------------------------------------------------------------------------
@@ -349,6 +357,7 @@ class CachingAllocatorModel(AllocatorBase):
         if alloc_size >= self._max_split:
             increase(self._oversize_segments, 1)
         self.table.counters["num_device_alloc"] += 1
+        self._record_segment(True, addr, alloc_size)
         return Block(addr, alloc_size, pool)
 
     def _new_block(self, pool: BlockPool, size: int) -> Block | None:
@@ -380,6 +389,7 @@ class CachingAllocatorModel(AllocatorBase):
         if block.size >= self._max_split:
             decrease(self._oversize_segments, 1)
         self.table.counters["num_device_free"] += 1
+        self._record_segment(False, block.addr, block.size)
 
     def _release_available_cached_blocks(self, pool: BlockPool, size: int) -> bool:
         """Free the smallest oversize cached segment that covers the request, or several of the
@@ -425,6 +435,10 @@ class CachingAllocatorModel(AllocatorBase):
         Counts one ``num_sync_all_streams`` and one ``num_device_free`` per released segment.
         """
         self._release_cached_blocks()
+
+    def _extent(self, handle: int) -> tuple[int, int]:
+        block = self._live[handle]
+        return block.addr, block.requested
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Segments and their blocks, sorted by (invented) address, in the format of

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from memlab.history.recorder import (
+    ALLOC,
+    FREE_COMPLETED,
+    FREE_REQUESTED,
+    SEGMENT_ALLOC,
+    SEGMENT_FREE,
+    History,
+)
 from memlab.sources.allocator.blocks import (
     ONE_EXABYTE,
     AllocatorBase,
@@ -28,8 +36,8 @@ class ExactAllocator(AllocatorBase):
     there is no retry). 0 bytes returns handle 0 and changes nothing.
     """
 
-    def __init__(self, capacity: int | str | None = None) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int | str | None = None, history: Any = None) -> None:
+        super().__init__(capacity, history)
         self.table.counters["max_split_size"] = -1
         self._small = BlockPool(self.table, small=True)
         self._large = BlockPool(self.table, small=False)
@@ -81,6 +89,31 @@ class ExactAllocator(AllocatorBase):
             stat[0] -= amount
             stat[3] += amount
         self.table.counters["num_device_free"] += 1
+
+    # With a history each allocation is a segment_alloc and an alloc, each free a free_requested,
+    # a free_completed and a segment_free; the address is the handle, as in snapshot().
+
+    def _recorded_malloc(self, nbytes: int) -> int:
+        handle = ExactAllocator.malloc(self, nbytes)
+        if handle:
+            nbytes = self._live[handle]
+            history: History = self.history  # type: ignore[assignment]
+            stack = history.stack()
+            history.record(SEGMENT_ALLOC, handle, nbytes, stack)
+            history.record(ALLOC, handle, nbytes, stack)
+        return handle
+
+    def _recorded_free(self, handle: int) -> None:
+        nbytes = self._live.get(handle) if type(handle) is int else None
+        if nbytes is None:
+            ExactAllocator.free(self, handle)  # frees nothing, or raises for a bad handle
+            return
+        history: History = self.history  # type: ignore[assignment]
+        stack = history.stack()
+        history.record(FREE_REQUESTED, handle, nbytes, stack)
+        ExactAllocator.free(self, handle)
+        history.record(FREE_COMPLETED, handle, nbytes, stack)
+        history.record(SEGMENT_FREE, handle, nbytes, stack)
 
     def empty_cache(self) -> None:
         """Nothing is cached, so nothing happens (no counter changes)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from memlab.history.recorder import SEGMENT_MAP, SEGMENT_UNMAP, History
 from memlab.sources.allocator.blocks import KEY_SHIFT, Block, BlockPool, change_pair
 from memlab.sources.allocator.config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, AllocatorConfig
 from memlab.sources.stats import StatTable
@@ -67,7 +68,8 @@ class ExpandableSegments:
     ``num_device_free`` change as pages are mapped and unmapped), its two pools of free blocks,
     its ``config`` (``max_split_size``) and ``capacity`` (bytes, ``None`` for unlimited). Address
     ranges are laid out from ``base_address`` on. The model keeps the allocated blocks and the
-    retry path; this object finds, maps, splits, merges and unmaps blocks.
+    retry path; this object finds, maps, splits, merges and unmaps blocks, and records each
+    mapping and unmapping in ``history`` (``segment_map``/``segment_unmap``, as PyTorch does).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class ExpandableSegments:
         config: AllocatorConfig,
         capacity: int | None,
         base_address: int,
+        history: History | None = None,
     ) -> None:
         self.segments: dict[BlockPool, _Segment] = {}
         self._counters = table.counters
@@ -87,6 +90,7 @@ class ExpandableSegments:
         self._capacity = capacity
         self._next_base = base_address
         self._bases: dict[BlockPool, int] = {}  # a pool's address range, reused when it is recreated
+        self._history = history
 
     # -- malloc ------------------------------------------------------------------------------------
 
@@ -178,6 +182,7 @@ class ExpandableSegments:
         if capacity is not None and self._reserved_all[0] + mapped > capacity:
             return False
         segment.remove_unmapped(to_map)
+        mapped_at = to_map.addr
         to_map.mapped = True
         if mapped < to_map.size:
             rest = Block(to_map.addr + mapped, to_map.size - mapped, pool)
@@ -189,6 +194,8 @@ class ExpandableSegments:
         pool.insert(to_map)
         change_pair(pool.reserved_bytes, mapped)
         self._counters["num_device_alloc"] += 1
+        if self._history is not None:
+            self._history.record(SEGMENT_MAP, mapped_at, mapped)
         return True
 
     # -- free -----------------------------------------------------------------------------------------
@@ -247,6 +254,8 @@ class ExpandableSegments:
         segment.add_unmapped(block)
         change_pair(pool.reserved_bytes, -(stop - start))
         self._counters["num_device_free"] += 1
+        if self._history is not None:
+            self._history.record(SEGMENT_UNMAP, start, stop - start)
 
     # -- inspection ---------------------------------------------------------------------------------------
 
