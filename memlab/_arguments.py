@@ -11,6 +11,7 @@ into an IPython ``UsageError`` or a command-line error.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,8 +25,13 @@ __all__ = [
     "GPU_OPTION",
     "NO_DEFAULT_COLUMNS_OPTION",
     "OUTPUT_OPTION",
+    "SNAPSHOT_OPTION",
+    "check_snapshot_path",
     "columns_shown",
 ]
+
+#: File endings accepted for a memory snapshot pickle.
+SNAPSHOT_EXTENSIONS = (".pickle", ".pkl")
 
 # Keyword arguments of the options that `memlab run`, `memlab demo` and %mlrun share, for argparse's
 # add_argument and IPython's @argument alike (argparse copies an append action's default list).
@@ -53,6 +59,27 @@ OUTPUT_OPTION: dict[str, Any] = {
     "metavar": "FILE",
     "help": "also write the table to FILE (.txt, .json, .csv)",
 }
+
+SNAPSHOT_OPTION: dict[str, Any] = {
+    "metavar": "FILE",
+    "help": "also write the run's memory snapshot to FILE (.pickle), in the format of "
+    "torch.cuda.memory._snapshot(): PyTorch's own on a CUDA GPU, the tracker's model without one; "
+    "view it with memlab viz, python -m torch.cuda._memory_viz or pytorch.org/memory_viz",
+}
+
+
+def check_snapshot_path(path: str, name: str = "--snapshot") -> str:
+    """``path`` if a snapshot pickle can be written there, before anything runs.
+
+    Raises ``ValueError`` (one line, naming the option ``name``) when ``path`` does not end in
+    ``.pickle`` or ``.pkl`` or its folder does not exist.
+    """
+    if os.path.splitext(path)[1].lower() not in SNAPSHOT_EXTENSIONS:
+        raise ValueError(f"{name} {path}: write to a file ending in {', '.join(SNAPSHOT_EXTENSIONS)}")
+    folder = os.path.dirname(path)
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"{name} {path}: no such folder {folder!r}")
+    return path
 
 
 def _valid_columns() -> str:

@@ -25,13 +25,17 @@ from memlab._arguments import (
     GPU_OPTION,
     NO_DEFAULT_COLUMNS_OPTION,
     OUTPUT_OPTION,
+    SNAPSHOT_OPTION,
+    check_snapshot_path,
     columns_shown,
 )
 from memlab._devices import cuda_device_exists, parse_device, with_index
 from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
+from memlab.history.recording import snapshot_written
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
+from memlab.sources.cuda import CudaSource
 from memlab.sources.select import check_target
 from memlab.sources.tracker import TensorTracker
 
@@ -47,6 +51,14 @@ def _output_format(path: str | None) -> str | None:
     if extension not in _OUTPUTS:
         raise CommandError(f"-o {path}: write to a file ending in {', '.join(_OUTPUTS)}")
     return extension
+
+
+def _snapshot_path(path: str | None) -> None:
+    if path is not None:
+        try:
+            check_snapshot_path(path)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
 
 
 def _print_and_write(
@@ -66,16 +78,31 @@ def _print_and_write(
         profiler.to_csv(output, shown, columns)
 
 
-def _program_tracker(profiler: LineProfiler) -> contextlib.AbstractContextManager[Any]:
+def _program_tracker(
+    profiler: LineProfiler, snapshot: str | None = None
+) -> contextlib.AbstractContextManager[Any]:
     """A :class:`memlab.TensorTracker` for the whole program when ``profiler`` would measure through
     one (its target is not a CUDA GPU present here), else nothing: the profiler uses the tracker
-    entered, which has seen every tensor since the program's first line."""
+    entered, which has seen every tensor since the program's first line.
+
+    With ``snapshot`` (a path), the memory snapshot of the run is written there at the end: the
+    tracker's (entered even when the profiler measures otherwise, with ``history`` on), or on a
+    CUDA GPU PyTorch's own, recorded for the run.
+    """
     device = with_index(parse_device(profiler.target_gpu))
-    if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
-        tracker = TensorTracker()
-        tracker.counted_from = "the program's first line"
+    on_gpu = cuda_device_exists(device)
+    if snapshot is not None and on_gpu:
+        return snapshot_written(snapshot, CudaSource(device))
+    if snapshot is None and (on_gpu or profiler.source not in (None, "auto", "tracker")):
+        return contextlib.nullcontext()
+    tracker = TensorTracker(history=snapshot is not None)
+    tracker.counted_from = "the program's first line"
+    if snapshot is None:
         return tracker
-    return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(tracker)
+    stack.enter_context(snapshot_written(snapshot, tracker))
+    return stack
 
 
 def profile_program(
@@ -84,6 +111,7 @@ def profile_program(
     columns: Sequence[str] = DEFAULT_COLUMNS,
     target: int | str | torch.device | None = None,
     output: str | None = None,
+    snapshot: str | None = None,
 ) -> int:
     """Run ``program`` with ``@memlab.profile`` functions and ``functions`` profiled, print their
     table to stdout (also when the program raises or exits) and return the program's exit status.
@@ -94,11 +122,14 @@ def profile_program(
     CUDA caching allocator, which cannot see kernel workspaces, the CUDA context or memory
     allocated outside PyTorch). That tracker is entered before the program's first line, so every
     tensor the program creates counts, also those created before a profiled function first runs.
+    ``snapshot`` (a ``.pickle`` path) receives the memory snapshot of the run, also when the
+    program raises or exits (see :func:`memlab.history.recording.snapshot_written`).
     A name that never appears is a :class:`CommandError` after the run.
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
     """
     _output_format(output)
+    _snapshot_path(snapshot)
     profiler = global_line_profiler()
     previous_target = profiler.target_gpu
     try:
@@ -119,7 +150,7 @@ def profile_program(
     except ValueError as error:
         raise CommandError(str(error)) from None
     try:
-        with watch.watching_imports(), _program_tracker(profiler):
+        with watch.watching_imports(), _program_tracker(profiler, snapshot):
             if functions:
                 with profiler:
                     status = program.run()
@@ -148,13 +179,15 @@ def profile_program(
 
 
 class RunCommand:
-    """``memlab run [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] script.py [args...]``."""
+    """``memlab run [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE] script.py
+    [args...]``."""
 
     help = "run a script (or -m module) and print the memory of its profiled functions, line by line"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.usage = (
-            "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] (script.py | -m module) [args...]"
+            "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE] "
+            "(script.py | -m module) [args...]"
         )
         parser.description = (
             "Run a Python script as __main__ with its own arguments, like kernprof, and print the "
@@ -176,6 +209,7 @@ class RunCommand:
         parser.add_argument("-D", "--no-default-columns", **NO_DEFAULT_COLUMNS_OPTION)
         parser.add_argument("-g", "--gpu", **GPU_OPTION)
         parser.add_argument("-o", "--output", **OUTPUT_OPTION)
+        parser.add_argument("--snapshot", **SNAPSHOT_OPTION)
         parser.add_argument(
             "-m", dest="as_module", action="store_true", help="run a module, like python -m (the last option)"
         )
@@ -192,6 +226,7 @@ class RunCommand:
         except ValueError as error:
             raise CommandError(str(error)) from None
         _output_format(args.output)
+        _snapshot_path(args.snapshot)
         if args.script is None:
             raise CommandError("name a script to run (memlab run script.py [args...]) or -m module")
         try:
@@ -203,4 +238,4 @@ class RunCommand:
             target = None if args.gpu is None else check_target(args.gpu, name="-g")
         except ValueError as error:
             raise CommandError(str(error)) from None
-        return profile_program(program, args.function, columns, target, args.output)
+        return profile_program(program, args.function, columns, target, args.output, args.snapshot)

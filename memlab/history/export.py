@@ -10,7 +10,7 @@ from typing import Any
 
 from memlab.history.recorder import UNKNOWN_CATEGORY, History, Stack
 
-__all__ = ["PICKLE_PROTOCOL", "allocator_snapshot", "dump_snapshot"]
+__all__ = ["PICKLE_PROTOCOL", "allocator_snapshot", "dump_snapshot", "write_snapshot"]
 
 #: The highest pickle protocol PyTorch's web viewer (pytorch.org/memory_viz) can read.
 PICKLE_PROTOCOL = 4
@@ -121,6 +121,13 @@ def dump_snapshot(path: str | os.PathLike[str], tracker: Any = None) -> None:
             )
     from memlab.sources.allocator.blocks import AllocatorBase
 
-    data = allocator_snapshot(tracker) if isinstance(tracker, AllocatorBase) else tracker.snapshot()
+    write_snapshot(
+        allocator_snapshot(tracker) if isinstance(tracker, AllocatorBase) else tracker.snapshot(), path
+    )
+
+
+def write_snapshot(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write ``snapshot`` (a ``torch.cuda.memory._snapshot()`` dict, memlab's or PyTorch's own) to
+    ``path`` as a pickle with protocol :data:`PICKLE_PROTOCOL`, which the web viewer reads."""
     with open(path, "wb") as f:
-        pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
+        pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL)

@@ -7,6 +7,7 @@ CUDA is not initialised, until a method is called.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -43,6 +44,16 @@ class CudaSource:
     def memory_allocated(self, device: torch.device | str | int | None = None) -> int:
         """Bytes allocated to tensors now (``torch.cuda.memory_allocated``)."""
         return int(torch.cuda.memory_allocated(self._device(device)))
+
+    def snapshot(self, device: torch.device | str | int | None = None) -> dict[str, Any]:
+        """PyTorch's own memory snapshot of ``device`` (``torch.cuda.memory._snapshot()``), the
+        format of :meth:`memlab.TensorTracker.snapshot`, so one code path reads both.
+
+        ``segments`` hold the blocks now; ``device_traces`` and the blocks' ``frames`` are filled
+        only while PyTorch records its history, which whoever starts recording switches on with
+        ``torch.cuda.memory._record_memory_history()`` (this method never does).
+        """
+        return torch.cuda.memory._snapshot(self._device(device))
 
     def sampler(
         self, keys: Sequence[str], device: torch.device | str | int | None = None

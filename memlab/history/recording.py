@@ -1,0 +1,44 @@
+"""Record the memory snapshot of a run for the shells (``memlab run --snapshot``, ``%%mlrun
+--snapshot``): PyTorch's own history on a CUDA GPU, a :class:`memlab.TensorTracker`'s without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from memlab.history.export import write_snapshot
+from memlab.sources.cuda import CudaSource
+from memlab.sources.tracker import TensorTracker
+
+__all__ = ["snapshot_written"]
+
+
+@contextlib.contextmanager
+def snapshot_written(path: str | os.PathLike[str], source: TensorTracker | CudaSource) -> Iterator[None]:
+    """Write the memory snapshot of ``source`` to ``path`` (pickle protocol 4) when the block ends,
+    also when it raises.
+
+    A :class:`~memlab.sources.cuda.CudaSource`: PyTorch records its own history of the source's
+    device (``torch.cuda.memory._record_memory_history``) while the block runs, and the snapshot
+    is ``torch.cuda.memory._snapshot()``; recording stops after it is taken. A
+    :class:`~memlab.TensorTracker` (entered by the caller, with ``history`` on): its
+    :meth:`~memlab.TensorTracker.snapshot` of the one device it has seen.
+    """
+    if isinstance(source, CudaSource):
+        torch.cuda.memory._record_memory_history(device=source.device)
+        try:
+            yield
+        finally:
+            try:
+                write_snapshot(source.snapshot(), path)
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None, device=source.device)
+    else:
+        try:
+            yield
+        finally:
+            write_snapshot(source.snapshot(), path)
