@@ -6,8 +6,9 @@ from __future__ import annotations
 from memlab.commands._command import Command, CommandError
 from memlab.commands.demo import DemoCommand
 from memlab.commands.run import RunCommand
+from memlab.commands.viz import VizCommand
 
 __all__ = ["COMMANDS", "Command", "CommandError"]
 
 #: Subcommand name -> command class, in the order ``memlab --help`` lists them.
-COMMANDS: dict[str, type[Command]] = {"run": RunCommand, "demo": DemoCommand}
+COMMANDS: dict[str, type[Command]] = {"run": RunCommand, "viz": VizCommand, "demo": DemoCommand}
