@@ -26,18 +26,24 @@ from memlab._arguments import (
     FUNCTION_OPTION,
     GPU_OPTION,
     NO_DEFAULT_COLUMNS_OPTION,
+    SNAPSHOT_OPTION,
+    check_snapshot_path,
     columns_shown,
 )
-from memlab._devices import parse_device
+from memlab._devices import parse_device, with_index
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
+from memlab.history.recording import snapshot_recorded
 from memlab.line_profiler import LineProfiler
 from memlab.reporter import MemReporter
 from memlab.sources.select import check_target
+from memlab.sources.tracker import TensorTracker
 
 __all__ = ["MemlabMagics", "load_ipython_extension"]
 
 # Options of %mlrun that take a value: everything after the options is the statement, verbatim.
-_VALUE_OPTIONS = frozenset({"-f", "--function", "-c", "--column", "-g", "--gpu", "-T", "--dump-profile"})
+_VALUE_OPTIONS = frozenset(
+    {"-f", "--function", "-c", "--column", "-g", "--gpu", "-T", "--dump-profile", "--snapshot"}
+)
 _SHORT_VALUE_OPTIONS = frozenset("fcgT")
 
 
@@ -132,6 +138,7 @@ class MemlabMagics(Magics):
     @argument("-g", "--gpu", **GPU_OPTION, default="0")
     @argument("-q", "--quiet", action="store_true", help="show nothing and return nothing (unless -r)")
     @argument("-T", "--dump-profile", metavar="FILE", help="also write the table shown, as text, to FILE")
+    @argument("--snapshot", **SNAPSHOT_OPTION)
     @argument("statement", nargs="*", help="code to run (line magic); in cell magic, the cell")
     @line_cell_magic
     @needs_local_scope
@@ -147,6 +154,9 @@ class MemlabMagics(Magics):
         what a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside
         PyTorch). Tensors made by earlier cells count, as on a GPU: the tracker adopts what ``gc``
         can reach when the magic starts, and the table's first line says how much.
+        ``--snapshot FILE`` writes the memory snapshot of the code (also when it raises) for
+        ``memlab viz`` and PyTorch's viewer: the tracker's, with the Python line of each
+        allocation, or on a CUDA GPU PyTorch's own, recorded while the code runs.
         Returns the table (HTML in a notebook, text in a terminal); with ``-r`` shows
         it and returns the profiler. If the code raises, the table so far is shown first.
         """
@@ -170,6 +180,8 @@ class MemlabMagics(Magics):
             raise UsageError(str(error)) from None
         try:
             profiler = LineProfiler(target_gpu=check_target(args.gpu, name="-g"), columns=columns)
+            if args.snapshot is not None:
+                check_snapshot_path(args.snapshot)
         except ValueError as error:
             raise UsageError(str(error)) from None
         namespace = _namespace(self.shell.user_ns, local_ns)
@@ -180,8 +192,12 @@ class MemlabMagics(Magics):
             )
         except ValueError as error:
             raise UsageError(str(error)) from None
+        recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if args.snapshot is not None:
+            device = with_index(parse_device(profiler.target_gpu))
+            recording = snapshot_recorded(args.snapshot, device, TensorTracker(adopt=True, history=True))
         try:
-            with profiler:
+            with recording, profiler:
                 for statement_code, bound in code.statements:
                     exec(statement_code, self.shell.user_ns, local_ns)
                     watch.look_up(rebound=bound)

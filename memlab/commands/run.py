@@ -33,9 +33,8 @@ from memlab._devices import cuda_device_exists, parse_device, with_index
 from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
-from memlab.history.recording import snapshot_written
+from memlab.history.recording import snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
-from memlab.sources.cuda import CudaSource
 from memlab.sources.select import check_target
 from memlab.sources.tracker import TensorTracker
 
@@ -90,19 +89,13 @@ def _program_tracker(
     CUDA GPU PyTorch's own, recorded for the run.
     """
     device = with_index(parse_device(profiler.target_gpu))
-    on_gpu = cuda_device_exists(device)
-    if snapshot is not None and on_gpu:
-        return snapshot_written(snapshot, CudaSource(device))
-    if snapshot is None and (on_gpu or profiler.source not in (None, "auto", "tracker")):
-        return contextlib.nullcontext()
     tracker = TensorTracker(history=snapshot is not None)
     tracker.counted_from = "the program's first line"
-    if snapshot is None:
+    if snapshot is not None:
+        return snapshot_recorded(snapshot, device, tracker)
+    if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
         return tracker
-    stack = contextlib.ExitStack()
-    stack.enter_context(tracker)
-    stack.enter_context(snapshot_written(snapshot, tracker))
-    return stack
+    return contextlib.nullcontext()
 
 
 def profile_program(

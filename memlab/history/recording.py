@@ -10,11 +10,12 @@ from collections.abc import Iterator
 
 import torch
 
+from memlab._devices import cuda_device_exists
 from memlab.history.export import write_snapshot
 from memlab.sources.cuda import CudaSource
 from memlab.sources.tracker import TensorTracker
 
-__all__ = ["snapshot_written"]
+__all__ = ["snapshot_recorded", "snapshot_written"]
 
 
 @contextlib.contextmanager
@@ -42,3 +43,18 @@ def snapshot_written(path: str | os.PathLike[str], source: TensorTracker | CudaS
             yield
         finally:
             write_snapshot(source.snapshot(), path)
+
+
+@contextlib.contextmanager
+def snapshot_recorded(
+    path: str | os.PathLike[str], device: torch.device, tracker: TensorTracker
+) -> Iterator[None]:
+    """Write the memory snapshot of the block to ``path`` when it ends, also when it raises: on
+    ``device`` when it is a CUDA GPU present here (PyTorch's own, see :func:`snapshot_written`),
+    else ``tracker``'s (``history`` on), which is entered for the block."""
+    if cuda_device_exists(device):
+        with snapshot_written(path, CudaSource(device)):
+            yield
+    else:
+        with tracker, snapshot_written(path, tracker):
+            yield
