@@ -429,3 +429,88 @@ def test_extra_columns_for_a_decorated_function_that_never_ran(tmp_path: Path, c
     script.write_text("import memlab\n\n@memlab.profile\ndef never():\n    pass\n", encoding="utf-8")
     assert memlab("run", "-c", "allocated_bytes.all.current", script) == 0
     assert capsys.readouterr().out == "## never\n\nregistered, but never called while profiling\n"
+
+
+SNAPSHOT_SCRIPT = """\
+import torch
+
+kept = torch.empty(256, 1024)
+scratch = torch.empty(1024, 1024)
+del scratch
+if len(__import__("sys").argv) > 1:
+    raise RuntimeError("boom")
+"""
+MiB = 1024 * 1024
+
+
+def _snapshot_run(tmp_path: Path, *script_args: str) -> tuple[int, dict[str, Any], Path]:
+    import pickle
+
+    script = tmp_path / "snap.py"
+    script.write_text(SNAPSHOT_SCRIPT, encoding="utf-8")
+    status = memlab("run", "--snapshot", tmp_path / "out.pickle", script, *script_args)
+    with open(tmp_path / "out.pickle", "rb") as file:
+        return status, pickle.load(file), script
+
+
+def test_run_snapshot_holds_the_scripts_segments_and_lines(tmp_path: Path, capsys: Any) -> None:
+    import torch
+
+    status, snapshot, script = _snapshot_run(tmp_path)
+    with memlab_package.TensorTracker() as tracker:  # the same tensors, measured here
+        kept = torch.empty(256, 1024)
+        scratch = torch.empty(1024, 1024)
+        del scratch
+    assert status == 0 and kept.nbytes == MiB
+    assert sum(s["total_size"] for s in snapshot["segments"]) == tracker.memory_reserved() == 22 * MiB
+    active = [b for s in snapshot["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert [(b["size"], b["frames"][0]) for b in active] == [
+        (MiB, {"filename": str(script), "line": 3, "name": "<module>"})  # then memlab's caller here
+    ]
+    assert [e["action"] for e in snapshot["device_traces"][0]] == [
+        "segment_alloc",
+        "alloc",
+        "segment_alloc",
+        "alloc",
+        "free_requested",
+        "free_completed",
+    ]
+    assert "nothing was profiled" in capsys.readouterr().err
+
+
+def test_run_snapshot_is_written_when_the_script_raises(tmp_path: Path, capsys: Any) -> None:
+    status, snapshot, _ = _snapshot_run(tmp_path, "--raise")
+    assert status == 1 and "RuntimeError: boom" in capsys.readouterr().err
+    assert sum(s["total_size"] for s in snapshot["segments"]) == 22 * MiB
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("out.png", "memlab run: error: --snapshot {tmp}/out.png: write to a file ending in .pickle, .pkl\n"),
+        (
+            "missing/out.pickle",
+            "memlab run: error: --snapshot {tmp}/missing/out.pickle: no such folder '{tmp}/missing'\n",
+        ),
+    ],
+)
+def test_run_snapshot_bad_paths_are_one_line_errors(
+    script: Path, tmp_path: Path, capsys: Any, path: str, message: str
+) -> None:
+    assert memlab("run", "--snapshot", tmp_path / path, script) == 2
+    captured = capsys.readouterr()
+    assert captured.err == message.format(tmp=tmp_path) and captured.out == ""
+
+
+@pytest.mark.cuda
+def test_run_snapshot_on_a_gpu_is_pytorchs_own(tmp_path: Path) -> None:
+    import pickle
+
+    script = tmp_path / "gpu.py"
+    script.write_text("import torch\n\nkept = torch.empty(1024, device='cuda')\n", encoding="utf-8")
+    assert memlab("run", "--snapshot", tmp_path / "gpu.pickle", script) == 0
+    with open(tmp_path / "gpu.pickle", "rb") as file:
+        snapshot = pickle.load(file)
+    allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    assert [e["size"] for e in allocs] == [4096]
+    assert {"filename": str(script), "line": 3, "name": "<module>"} in allocs[0]["frames"]

@@ -10,6 +10,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -285,3 +286,23 @@ def test_split_statement_keeps_the_statement_verbatim(line: str, statement: str)
     options, rest = split_statement(line)
     assert rest == statement
     assert line.startswith(options)
+
+
+def test_mlrun_snapshot_writes_the_cells_memory_snapshot(ip: Any, tmp_path: Path) -> None:
+    import pickle
+
+    path = tmp_path / "cell.pickle"
+    result, _ = run(ip, f"%%mlrun --snapshot {path} -f work\n" + WORK_CELL)
+    assert result.error_in_exec is None
+    with open(path, "rb") as file:
+        snapshot = pickle.load(file)
+    assert [s["total_size"] for s in snapshot["segments"]] == [20 * 1024 * 1024]
+    assert [e["action"] for e in snapshot["device_traces"][0]].count("alloc") == 3  # a, b, a + b
+    assert snapshot["device_traces"][0][1]["frames"][0]["line"] == 3  # a = torch.empty(...)
+
+
+def test_mlrun_snapshot_bad_path_is_a_usage_error(ip: Any, tmp_path: Path) -> None:
+    run(ip, WORK_CELL)
+    with pytest.raises(UsageError) as error:
+        ip.run_line_magic("mlrun", f"--snapshot {tmp_path}/out.png -f work work()")
+    assert str(error.value) == f"--snapshot {tmp_path}/out.png: write to a file ending in .pickle, .pkl"

@@ -42,3 +42,16 @@ def test_memory_stats_match_torch():
     x = torch.empty(1000, device="cuda")
     assert source.memory_stats()["allocated_bytes.all.current"] == torch.cuda.memory_allocated(0)
     del x
+
+
+@pytest.mark.cuda
+def test_snapshot_is_pytorchs_own_with_the_recorded_history():
+    torch.cuda.memory._record_memory_history()
+    try:
+        x = torch.empty(1024, device="cuda")
+        snapshot = CudaSource().snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    blocks = [b for s in snapshot["segments"] for b in s["blocks"] if b["address"] == x.data_ptr()]
+    assert [(b["size"], b["state"]) for b in blocks] == [(4096, "active_allocated")]
+    assert sum(s["total_size"] for s in snapshot["segments"]) == torch.cuda.memory_reserved()
