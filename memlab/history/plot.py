@@ -313,8 +313,9 @@ def plot_lines(
     tables: Sequence[FunctionTable], column: str, source_line: str | None, path: str | os.PathLike[str] | None
 ) -> Figure:
     """A bar per source line that ran (``tables`` as ``LineProfiler`` builds them), its height
-    the line's value of ``column`` in bytes (ticks in KiB / MiB / GiB), labelled
-    ``function:line: code`` with the code cut to 40 characters; saved to ``path`` when given."""
+    the line's value of ``column`` in bytes (ticks in KiB / MiB / GiB, the value written at the
+    bar's end), labelled ``function:line: code`` with the code cut to 40 characters; saved to
+    ``path`` when given."""
     bars = [
         (f"{table.name}:{number}: {_shorten(code)}", row[column])
         for table in tables
@@ -324,9 +325,13 @@ def plot_lines(
     figure = _matplotlib_figure()(figsize=(10, max(2.5, 0.3 * len(bars) + 1.5)), layout="constrained")
     ax = figure.add_subplot()
     labels = [label for label, _ in bars]
-    ax.barh(range(len(bars)), [value for _, value in bars], color=_COLORS[0], tick_label=labels)
+    values = [value for _, value in bars]
+    container = ax.barh(range(len(bars)), values, color=_COLORS[0], tick_label=labels)
+    ax.bar_label(container, [binary_size(value) for value in values], padding=3, fontsize="small")
     ax.invert_yaxis()
-    _binary_axis(ax.xaxis, max((value for _, value in bars), default=1) or 1)
+    top = max(values, default=1) or 1
+    _binary_axis(ax.xaxis, top)
+    ax.set_xlim(min([0, *values]) * 1.2, top * 1.2)
     ax.set_xlabel(f"{column} (bytes, binary units)")
     ax.set_title(f"{column} per line" + (f"\n{source_line}" if source_line else ""), fontsize="medium")
     ax.grid(axis="x", alpha=0.3)

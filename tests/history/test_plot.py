@@ -219,6 +219,7 @@ def test_profiler_bars_are_the_recorded_column_per_line(tmp_path):
     heights = [int(bar.get_width()) for bar in ax.patches]
     expected = lp.to_dataframe(columns=["active_bytes.all.peak"])["active_bytes.all.peak"].tolist()
     assert heights == expected == [0, 1000, 5000, 5000]
+    assert [t.get_text() for t in ax.texts] == ["0.00 B", "1000.00 B", "4.88 KiB", "4.88 KiB"]
     first = allocate_two.__code__.co_firstlineno
     assert [t.get_text() for t in ax.get_yticklabels()] == [
         f"allocate_two:{first}: def allocate_two(n):",
