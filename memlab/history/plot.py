@@ -215,11 +215,12 @@ def _save(figure: Figure, path: str | os.PathLike[str] | None) -> Figure:
     return figure
 
 
-def peak_label(frame: tuple[str, int, str] | None) -> str:
-    """The ``file:line`` that names a peak: the file's base name and the line number."""
+def peak_label(nbytes: int, frame: tuple[str, int, str] | None) -> str:
+    """The text that marks a peak: its bytes and the ``file:line`` (the file's base name) of the
+    allocation that reached it, e.g. ``peak 53.64 MiB at train.py:12``."""
     if frame is None:
-        return "no Python frame recorded"
-    return f"{os.path.basename(frame[0])}:{frame[1]}"
+        return f"peak {binary_size(nbytes)} (no Python frame recorded)"
+    return f"peak {binary_size(nbytes)} at {os.path.basename(frame[0])}:{frame[1]}"
 
 
 def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device: int | None = None) -> Figure:
@@ -274,7 +275,7 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     peak_bytes = series.allocated[series.peak]
     ax.scatter([series.peak], [peak_bytes], color=_COLORS[3], zorder=3)
     ax.annotate(
-        f"peak {binary_size(peak_bytes)} at {peak_label(series.peak_frame)}",
+        peak_label(peak_bytes, series.peak_frame),
         (series.peak, peak_bytes),
         xytext=(0, 12),
         textcoords="offset points",

@@ -152,6 +152,8 @@ def test_a_large_block_takes_the_whole_free_range_when_the_rest_is_one_mib_or_le
     assert series.allocated == [20 * MiB, 20 * MiB + 100]
     assert series.by_category == {"unknown": [20 * MiB, 20 * MiB + 100]}
     assert series.peak_frame is None
+    (ax,) = memlab.plot_memory({"device_traces": [trace]}).axes
+    assert ax.texts[0].get_text() == "peak 20.00 MiB (no Python frame recorded)"
 
 
 def test_binary_sizes_use_the_largest_unit_reached():
