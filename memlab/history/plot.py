@@ -102,7 +102,7 @@ class _Segments:
 
     def release(self, addr: int) -> None:
         segment = self._segment(addr)
-        if segment is not None:
+        if segment is not None and addr in self.blocks[segment]:
             self.blocks[segment].remove(addr)
 
 
@@ -131,7 +131,9 @@ def memory_series(snapshot: dict[str, Any], device: int | None = None) -> Memory
     small pool from 512 B on and of the large pool above 1 MiB). Not modelled: a configured
     ``roundup_power2_divisions`` or ``max_split_size_mb`` and expandable segments, where a
     block's granted bytes may then differ. A trace that a ring buffer cut short starts from
-    zero at its first entry: what was live before is not in it.
+    zero at its first entry: what was live before is not in it, and frees of blocks and
+    segments it does not know change nothing (a block allocated in such a segment counts its
+    requested bytes).
     """
     segments = _Segments()
     live: dict[int, tuple[int, str]] = {}  # block address -> (granted bytes, category)
@@ -152,14 +154,15 @@ def memory_series(snapshot: dict[str, Any], device: int | None = None) -> Memory
             allocated += granted
             totals[category] = totals.get(category, 0) + granted
         elif action == "free_completed":
-            granted, category = live.pop(addr, (0, "unknown"))
-            segments.release(addr)
-            allocated -= granted
-            totals[category] = totals.get(category, 0) - granted
+            if addr in live:  # not when a ring buffer dropped its allocation
+                granted, category = live.pop(addr)
+                segments.release(addr)
+                allocated -= granted
+                totals[category] -= granted
         elif action in ("segment_free", "segment_unmap"):
             if addr in segments.sizes:
                 segments.remove(addr)
-            reserved -= entry["size"]
+                reserved -= entry["size"]
         else:
             continue
         for name in totals.keys() - series.by_category.keys():

@@ -156,6 +156,17 @@ def test_a_large_block_takes_the_whole_free_range_when_the_rest_is_one_mib_or_le
     assert ax.texts[0].get_text() == "peak 20.00 MiB (no Python frame recorded)"
 
 
+def test_a_trace_cut_short_by_a_ring_buffer_starts_from_zero_and_ignores_unknown_frees():
+    model = memlab.CachingAllocatorModel(config="", history=3)
+    first = model.malloc(1000)
+    model.malloc(2000)
+    model.free(first)
+    actions = [e["action"] for e in model.history_snapshot()["device_traces"][0]]
+    assert actions == ["alloc", "free_requested", "free_completed"]
+    plotted = lines(memlab.plot_memory(model.history_snapshot()))
+    assert plotted == {"allocated": [2000, 2000], "reserved": [0, 0]}
+
+
 def test_binary_sizes_use_the_largest_unit_reached():
     assert [binary_size(n) for n in (0, 512, 40_448, 2 * MiB, 3 * 1024 * MiB)] == [
         "0.00 B",
