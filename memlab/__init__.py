@@ -5,7 +5,6 @@ Importing memlab has no side effects: it does not initialise CUDA, install a tra
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from memlab.courtesy import Courtesy
@@ -24,6 +23,8 @@ from memlab.sources.stats import STAT_KEYS
 from memlab.sources.tracker import TensorTracker
 
 if TYPE_CHECKING:
+    import os
+
     from matplotlib.figure import Figure
 
 __version__ = "0.1.0"
