@@ -5,6 +5,8 @@ Importing memlab has no side effects: it does not initialise CUDA, install a tra
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memlab.courtesy import Courtesy
 from memlab.history.export import dump_snapshot
 from memlab.line_profiler import (
@@ -20,7 +22,24 @@ from memlab.sources.allocator import CachingAllocatorModel
 from memlab.sources.stats import STAT_KEYS
 from memlab.sources.tracker import TensorTracker
 
+if TYPE_CHECKING:
+    import os
+
+    from matplotlib.figure import Figure
+
 __version__ = "0.1.0"
+
+
+def plot_memory(
+    source: object, path: str | os.PathLike[str] | None = None, device: int | None = None
+) -> Figure:
+    """Plot allocated and reserved bytes over a run's allocator events, the allocated bytes stacked
+    by category and the peak marked with the ``file:line`` that reached it: see
+    :func:`memlab.history.plot.plot_memory`. matplotlib (``pip install 'memlab[plot]'``) is
+    imported only here, so importing memlab never imports it."""
+    from memlab.history.plot import plot_memory as plot
+
+    return plot(source, path, device)
 
 
 def load_ipython_extension(ipython: object) -> None:
@@ -44,6 +63,7 @@ __all__ = [
     "clear_global_line_profiler",
     "dump_snapshot",
     "load_ipython_extension",
+    "plot_memory",
     "profile",
     "profile_every",
     "set_target_gpu",

@@ -15,7 +15,7 @@ def test_import_has_no_side_effects():
         "assert sys.gettrace() is None, sys.gettrace()\n"
         "assert threading.gettrace() is None\n"
         "assert not torch.cuda.is_initialized()\n"
-        "print(sorted(m for m in ('IPython', 'pandas') if m in sys.modules))\n"
+        "print(sorted(m for m in ('IPython', 'matplotlib', 'pandas') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stderr == ""

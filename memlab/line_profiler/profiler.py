@@ -31,7 +31,10 @@ from memlab.sources.base import MemorySource
 from memlab.sources.select import Selection, SourceSelector, check_target
 
 if TYPE_CHECKING:
+    import os
+
     import pandas as pd
+    from matplotlib.figure import Figure
 
 __all__ = ["LineProfiler"]
 
@@ -322,6 +325,23 @@ class LineProfiler(ByCountProfilerMixin):
         """:meth:`to_dataframe` as CSV (returned as a string when ``path_or_buf`` is None);
         :func:`memlab.line_profiler.read_csv` reads it back into the same DataFrame."""
         return _export.write_csv(self.to_dataframe(func, columns), path_or_buf)
+
+    def plot(
+        self,
+        func: Any = None,
+        column: str = "active_bytes.all.peak",
+        path: str | os.PathLike[str] | None = None,
+    ) -> Figure:
+        """A bar chart of ``column`` (a recorded byte statistic, e.g. ``active_bytes.all.peak`` or
+        ``delta``) with one bar per source line of ``func`` (default: every registered function)
+        that ran, labelled ``function:line: code``; x axis in bytes with KiB / MiB / GiB ticks.
+        Lines that never ran have no bar. Saved to ``path`` when given (format from the
+        extension); returns the matplotlib ``Figure``. Needs matplotlib
+        (``pip install 'memlab[plot]'``; ``ImportError`` otherwise)."""
+        from memlab.history.plot import check_byte_column, plot_lines
+
+        check_byte_column(column)
+        return plot_lines(self._tables(func, [column]), column, self.source_line(), path)
 
     def _all_columns(self) -> tuple[str, ...]:
         return ("hits", *self._records.layout.keys, "delta")
