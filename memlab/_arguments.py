@@ -25,13 +25,17 @@ __all__ = [
     "GPU_OPTION",
     "NO_DEFAULT_COLUMNS_OPTION",
     "OUTPUT_OPTION",
+    "PLOT_OPTION",
     "SNAPSHOT_OPTION",
+    "check_plot_path",
     "check_snapshot_path",
     "columns_shown",
 ]
 
 #: File endings accepted for a memory snapshot pickle.
 SNAPSHOT_EXTENSIONS = (".pickle", ".pkl")
+#: File endings accepted for a plot (matplotlib writes each by its ending).
+PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
 
 # Keyword arguments of the options that `memlab run`, `memlab demo` and %mlrun share, for argparse's
 # add_argument and IPython's @argument alike (argparse copies an append action's default list).
@@ -60,6 +64,11 @@ OUTPUT_OPTION: dict[str, Any] = {
     "help": "also write the table to FILE (.txt, .json, .csv)",
 }
 
+PLOT_OPTION: dict[str, Any] = {
+    "metavar": "FILE",
+    "help": "also plot the run's allocated and reserved memory over its allocator events to FILE "
+    "(.png, .svg, .pdf), the peak marked with its file:line; needs matplotlib: pip install 'memlab[plot]'",
+}
 SNAPSHOT_OPTION: dict[str, Any] = {
     "metavar": "FILE",
     "help": "also write the run's memory snapshot to FILE (.pickle), in the format of "
@@ -74,8 +83,18 @@ def check_snapshot_path(path: str, name: str = "--snapshot") -> str:
     Raises ``ValueError`` (one line, naming the option ``name``) when ``path`` does not end in
     ``.pickle`` or ``.pkl`` or its folder does not exist.
     """
-    if os.path.splitext(path)[1].lower() not in SNAPSHOT_EXTENSIONS:
-        raise ValueError(f"{name} {path}: write to a file ending in {', '.join(SNAPSHOT_EXTENSIONS)}")
+    return _check_output_path(path, SNAPSHOT_EXTENSIONS, name)
+
+
+def check_plot_path(path: str, name: str = "--plot") -> str:
+    """``path`` if a plot can be written there, before anything runs: it ends in ``.png``,
+    ``.svg`` or ``.pdf`` and its folder exists; else ``ValueError`` naming the option ``name``."""
+    return _check_output_path(path, PLOT_EXTENSIONS, name)
+
+
+def _check_output_path(path: str, extensions: tuple[str, ...], name: str) -> str:
+    if os.path.splitext(path)[1].lower() not in extensions:
+        raise ValueError(f"{name} {path}: write to a file ending in {', '.join(extensions)}")
     folder = os.path.dirname(path)
     if folder and not os.path.isdir(folder):
         raise ValueError(f"{name} {path}: no such folder {folder!r}")

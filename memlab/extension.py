@@ -26,7 +26,9 @@ from memlab._arguments import (
     FUNCTION_OPTION,
     GPU_OPTION,
     NO_DEFAULT_COLUMNS_OPTION,
+    PLOT_OPTION,
     SNAPSHOT_OPTION,
+    check_plot_path,
     check_snapshot_path,
     columns_shown,
 )
@@ -42,7 +44,7 @@ __all__ = ["MemlabMagics", "load_ipython_extension"]
 
 # Options of %mlrun that take a value: everything after the options is the statement, verbatim.
 _VALUE_OPTIONS = frozenset(
-    {"-f", "--function", "-c", "--column", "-g", "--gpu", "-T", "--dump-profile", "--snapshot"}
+    {"-f", "--function", "-c", "--column", "-g", "--gpu", "-T", "--dump-profile", "--snapshot", "--plot"}
 )
 _SHORT_VALUE_OPTIONS = frozenset("fcgT")
 
@@ -139,6 +141,7 @@ class MemlabMagics(Magics):
     @argument("-q", "--quiet", action="store_true", help="show nothing and return nothing (unless -r)")
     @argument("-T", "--dump-profile", metavar="FILE", help="also write the table shown, as text, to FILE")
     @argument("--snapshot", **SNAPSHOT_OPTION)
+    @argument("--plot", **PLOT_OPTION)
     @argument("statement", nargs="*", help="code to run (line magic); in cell magic, the cell")
     @line_cell_magic
     @needs_local_scope
@@ -182,6 +185,8 @@ class MemlabMagics(Magics):
             profiler = LineProfiler(target_gpu=check_target(args.gpu, name="-g"), columns=columns)
             if args.snapshot is not None:
                 check_snapshot_path(args.snapshot)
+            if args.plot is not None:
+                check_plot_path(args.plot)
         except ValueError as error:
             raise UsageError(str(error)) from None
         namespace = _namespace(self.shell.user_ns, local_ns)
@@ -193,9 +198,10 @@ class MemlabMagics(Magics):
         except ValueError as error:
             raise UsageError(str(error)) from None
         recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if args.snapshot is not None:
+        if args.snapshot is not None or args.plot is not None:
             device = with_index(parse_device(profiler.target_gpu))
-            recording = snapshot_recorded(args.snapshot, device, TensorTracker(adopt=True, history=True))
+            tracker = TensorTracker(adopt=True, history=True)
+            recording = snapshot_recorded(args.snapshot, device, tracker, args.plot)
         try:
             with recording, profiler:
                 for statement_code, bound in code.statements:

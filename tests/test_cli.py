@@ -502,6 +502,28 @@ def test_run_snapshot_bad_paths_are_one_line_errors(
     assert captured.err == message.format(tmp=tmp_path) and captured.out == ""
 
 
+def test_run_plot_draws_the_runs_memory_with_its_peak(tmp_path: Path, capsys: Any) -> None:
+    pytest.importorskip("matplotlib")
+    script = tmp_path / "snap.py"
+    script.write_text(SNAPSHOT_SCRIPT, encoding="utf-8")
+    assert memlab("run", "--plot", tmp_path / "run.png", "--snapshot", tmp_path / "out.pickle", script) == 0
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import pickle
+
+    from memlab.history.plot import memory_series
+
+    with open(tmp_path / "out.pickle", "rb") as file:
+        series = memory_series(pickle.load(file))
+    assert max(series.allocated) == 5 * MiB and max(series.reserved) == 22 * MiB
+
+
+def test_run_plot_bad_path_is_a_one_line_error(script: Path, tmp_path: Path, capsys: Any) -> None:
+    assert memlab("run", "--plot", tmp_path / "run.gif", script) == 2
+    assert capsys.readouterr().err == (
+        f"memlab run: error: --plot {tmp_path}/run.gif: write to a file ending in .png, .svg, .pdf\n"
+    )
+
+
 @pytest.mark.cuda
 def test_run_snapshot_on_a_gpu_is_pytorchs_own(tmp_path: Path) -> None:
     import pickle

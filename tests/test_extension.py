@@ -306,3 +306,18 @@ def test_mlrun_snapshot_bad_path_is_a_usage_error(ip: Any, tmp_path: Path) -> No
     with pytest.raises(UsageError) as error:
         ip.run_line_magic("mlrun", f"--snapshot {tmp_path}/out.png -f work work()")
     assert str(error.value) == f"--snapshot {tmp_path}/out.png: write to a file ending in .pickle, .pkl"
+
+
+def test_mlrun_plot_writes_the_cells_memory_plot(ip: Any, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "cell.png"
+    result, _ = run(ip, f"%%mlrun --plot {path} -f work\n" + WORK_CELL)
+    assert result.error_in_exec is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mlrun_plot_bad_path_is_a_usage_error(ip: Any, tmp_path: Path) -> None:
+    run(ip, WORK_CELL)
+    with pytest.raises(UsageError) as error:
+        ip.run_line_magic("mlrun", f"--plot {tmp_path}/out.pickle -f work work()")
+    assert str(error.value) == f"--plot {tmp_path}/out.pickle: write to a file ending in .png, .svg, .pdf"

@@ -25,7 +25,9 @@ from memlab._arguments import (
     GPU_OPTION,
     NO_DEFAULT_COLUMNS_OPTION,
     OUTPUT_OPTION,
+    PLOT_OPTION,
     SNAPSHOT_OPTION,
+    check_plot_path,
     check_snapshot_path,
     columns_shown,
 )
@@ -52,12 +54,14 @@ def _output_format(path: str | None) -> str | None:
     return extension
 
 
-def _snapshot_path(path: str | None) -> None:
-    if path is not None:
-        try:
-            check_snapshot_path(path)
-        except ValueError as error:
-            raise CommandError(str(error)) from None
+def _check_paths(snapshot: str | None, plot: str | None) -> None:
+    try:
+        if snapshot is not None:
+            check_snapshot_path(snapshot)
+        if plot is not None:
+            check_plot_path(plot)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
 
 
 def _print_and_write(
@@ -78,7 +82,7 @@ def _print_and_write(
 
 
 def _program_tracker(
-    profiler: LineProfiler, snapshot: str | None = None
+    profiler: LineProfiler, snapshot: str | None = None, plot: str | None = None
 ) -> contextlib.AbstractContextManager[Any]:
     """A :class:`memlab.TensorTracker` for the whole program when ``profiler`` would measure through
     one (its target is not a CUDA GPU present here), else nothing: the profiler uses the tracker
@@ -86,13 +90,15 @@ def _program_tracker(
 
     With ``snapshot`` (a path), the memory snapshot of the run is written there at the end: the
     tracker's (entered even when the profiler measures otherwise, with ``history`` on), or on a
-    CUDA GPU PyTorch's own, recorded for the run.
+    CUDA GPU PyTorch's own, recorded for the run. With ``plot`` (a path), its plot
+    (:func:`memlab.plot_memory`) is written there too.
     """
     device = with_index(parse_device(profiler.target_gpu))
-    tracker = TensorTracker(history=snapshot is not None)
+    recording = snapshot is not None or plot is not None
+    tracker = TensorTracker(history=recording)
     tracker.counted_from = "the program's first line"
-    if snapshot is not None:
-        return snapshot_recorded(snapshot, device, tracker)
+    if recording:
+        return snapshot_recorded(snapshot, device, tracker, plot)
     if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
         return tracker
     return contextlib.nullcontext()
@@ -105,6 +111,7 @@ def profile_program(
     target: int | str | torch.device | None = None,
     output: str | None = None,
     snapshot: str | None = None,
+    plot: str | None = None,
 ) -> int:
     """Run ``program`` with ``@memlab.profile`` functions and ``functions`` profiled, print their
     table to stdout (also when the program raises or exits) and return the program's exit status.
@@ -116,13 +123,14 @@ def profile_program(
     allocated outside PyTorch). That tracker is entered before the program's first line, so every
     tensor the program creates counts, also those created before a profiled function first runs.
     ``snapshot`` (a ``.pickle`` path) receives the memory snapshot of the run, also when the
-    program raises or exits (see :func:`memlab.history.recording.snapshot_written`).
-    A name that never appears is a :class:`CommandError` after the run.
+    program raises or exits (see :func:`memlab.history.recording.snapshot_written`); ``plot``
+    (``.png``, ``.svg``, ``.pdf``) its plot (:func:`memlab.plot_memory`). A name that never
+    appears is a :class:`CommandError` after the run.
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
     """
     _output_format(output)
-    _snapshot_path(snapshot)
+    _check_paths(snapshot, plot)
     profiler = global_line_profiler()
     previous_target = profiler.target_gpu
     try:
@@ -143,7 +151,7 @@ def profile_program(
     except ValueError as error:
         raise CommandError(str(error)) from None
     try:
-        with watch.watching_imports(), _program_tracker(profiler, snapshot):
+        with watch.watching_imports(), _program_tracker(profiler, snapshot, plot):
             if functions:
                 with profiler:
                     status = program.run()
@@ -172,14 +180,14 @@ def profile_program(
 
 
 class RunCommand:
-    """``memlab run [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE] script.py
-    [args...]``."""
+    """``memlab run [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE]
+    [--plot FILE] script.py [args...]``."""
 
     help = "run a script (or -m module) and print the memory of its profiled functions, line by line"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.usage = (
-            "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE] "
+            "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE] [--plot FILE] "
             "(script.py | -m module) [args...]"
         )
         parser.description = (
@@ -203,6 +211,7 @@ class RunCommand:
         parser.add_argument("-g", "--gpu", **GPU_OPTION)
         parser.add_argument("-o", "--output", **OUTPUT_OPTION)
         parser.add_argument("--snapshot", **SNAPSHOT_OPTION)
+        parser.add_argument("--plot", **PLOT_OPTION)
         parser.add_argument(
             "-m", dest="as_module", action="store_true", help="run a module, like python -m (the last option)"
         )
@@ -219,7 +228,7 @@ class RunCommand:
         except ValueError as error:
             raise CommandError(str(error)) from None
         _output_format(args.output)
-        _snapshot_path(args.snapshot)
+        _check_paths(args.snapshot, args.plot)
         if args.script is None:
             raise CommandError("name a script to run (memlab run script.py [args...]) or -m module")
         try:
@@ -231,4 +240,4 @@ class RunCommand:
             target = None if args.gpu is None else check_target(args.gpu, name="-g")
         except ValueError as error:
             raise CommandError(str(error)) from None
-        return profile_program(program, args.function, columns, target, args.output, args.snapshot)
+        return profile_program(program, args.function, columns, target, args.output, args.snapshot, args.plot)

@@ -18,9 +18,23 @@ from memlab.sources.tracker import TensorTracker
 __all__ = ["snapshot_recorded", "snapshot_written"]
 
 
+def _write(snapshot: dict, path: str | os.PathLike[str] | None, plot: str | os.PathLike[str] | None) -> None:
+    if path is not None:
+        write_snapshot(snapshot, path)
+    if plot is not None:
+        from memlab.history.plot import plot_memory
+
+        plot_memory(snapshot, plot)
+
+
 @contextlib.contextmanager
-def snapshot_written(path: str | os.PathLike[str], source: TensorTracker | CudaSource) -> Iterator[None]:
-    """Write the memory snapshot of ``source`` to ``path`` (pickle protocol 4) when the block ends,
+def snapshot_written(
+    path: str | os.PathLike[str] | None,
+    source: TensorTracker | CudaSource,
+    plot: str | os.PathLike[str] | None = None,
+) -> Iterator[None]:
+    """Write the memory snapshot of ``source`` to ``path`` (pickle protocol 4; ``None``: no file)
+    and its plot to ``plot`` (:func:`memlab.plot_memory`; ``None``: none) when the block ends,
     also when it raises.
 
     A :class:`~memlab.sources.cuda.CudaSource`: PyTorch records its own history of the source's
@@ -35,26 +49,30 @@ def snapshot_written(path: str | os.PathLike[str], source: TensorTracker | CudaS
             yield
         finally:
             try:
-                write_snapshot(source.snapshot(), path)
+                _write(source.snapshot(), path, plot)
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None, device=source.device)
     else:
         try:
             yield
         finally:
-            write_snapshot(source.snapshot(), path)
+            _write(source.snapshot(), path, plot)
 
 
 @contextlib.contextmanager
 def snapshot_recorded(
-    path: str | os.PathLike[str], device: torch.device, tracker: TensorTracker
+    path: str | os.PathLike[str] | None,
+    device: torch.device,
+    tracker: TensorTracker,
+    plot: str | os.PathLike[str] | None = None,
 ) -> Iterator[None]:
-    """Write the memory snapshot of the block to ``path`` when it ends, also when it raises: on
-    ``device`` when it is a CUDA GPU present here (PyTorch's own, see :func:`snapshot_written`),
-    else ``tracker``'s (``history`` on), which is entered for the block."""
+    """Write the memory snapshot of the block to ``path`` and its plot to ``plot`` (either may be
+    ``None``) when it ends, also when it raises: on ``device`` when it is a CUDA GPU present here
+    (PyTorch's own, see :func:`snapshot_written`), else ``tracker``'s (``history`` on), which is
+    entered for the block."""
     if cuda_device_exists(device):
-        with snapshot_written(path, CudaSource(device)):
+        with snapshot_written(path, CudaSource(device), plot):
             yield
     else:
-        with tracker, snapshot_written(path, tracker):
+        with tracker, snapshot_written(path, tracker, plot):
             yield
