@@ -46,12 +46,12 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str
     for cell in notebook.cells:
         if cell.cell_type != "code":
             continue
-        texts: dict[str, str] = {"stdout": "", "text/plain": "", "text/html": ""}
+        texts: dict[str, str] = {"stdout": "", "text/plain": "", "text/html": "", "image/png": ""}
         for output in cell.outputs:
             if output.output_type == "stream" and output.name == "stdout":
                 texts["stdout"] += output.text
             elif output.output_type in ("execute_result", "display_data"):
-                for kind in ("text/plain", "text/html"):
+                for kind in ("text/plain", "text/html", "image/png"):
                     texts[kind] += output.data.get(kind, "")
         for tag in cell.metadata.get("tags", []):
             found[tag] = texts
@@ -151,3 +151,9 @@ def test_memreport_names_every_tensor_of_the_model(outputs: dict[str, dict[str, 
 
 def test_courtesy_parks_and_restores(outputs: dict[str, Any]) -> None:
     assert outputs["courtesy"]["stdout"] == "before 4198400 | parked 0 | after 4198400 | same weights: True\n"
+
+
+def test_the_memory_plot_shows_inline(outputs: dict[str, Any]) -> None:
+    # weights and gradients: twice 512x1024 + 1024 + 1024x10 + 10 floats, each in 512 B blocks
+    assert outputs["plot"]["stdout"] == "allocated now: 4285440 B (weights and gradients)\n"
+    assert outputs["plot"]["image/png"].startswith("iVBORw0KGgo")  # a base64 PNG
