@@ -26,7 +26,7 @@ from memlab._tensors import live_storages, storages_of
 from memlab._units import parse_size
 from memlab.history import categories
 from memlab.history.export import allocator_snapshot
-from memlab.history.recorder import capture_stack, make_history
+from memlab.history.recorder import Stack, capture_stack, make_history
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 from memlab.sources.allocator.config import round_size
 
@@ -259,7 +259,9 @@ class TensorTracker(TorchDispatchMode):
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._categorise(tensor, categories.ACTIVATION)
-        return tensor
+        # Not ``tensor`` itself: a saved output would then hold its own grad_fn, a reference cycle
+        # through C++ that gc cannot break (the graph and its activations would never be freed).
+        return tensor.detach()
 
     def _categorise_model(self, model: torch.nn.Module) -> None:
         for param in model.parameters():
@@ -292,6 +294,25 @@ class TensorTracker(TorchDispatchMode):
         _collect_storages(tensor, storages)
         for storage in storages:
             self._set_category(storage, category)
+
+    def allocation_context(self, tensor: torch.Tensor) -> tuple[Stack, str] | None:
+        """Where the block of ``tensor``'s storage was allocated, and its category:
+        ``(stack, category)``, the stack innermost first as ``(filename, line, function name)``
+        (torch's and memlab's own frames left out; empty where no Python frame ran) and the
+        category one of :data:`memlab.history.categories.CATEGORIES`. For a tensor with several
+        storages (sparse, wrapper subclasses), its first. ``None`` with ``history`` off, or for
+        a storage the tracker did not count (pre-existing, empty, or made outside the dispatcher).
+        """
+        if not self.history:
+            return None
+        if self._pending:
+            self._drain()
+        storages: list[torch.UntypedStorage] = []
+        _collect_storages(tensor, storages)
+        ref = self._live.get(id(storages[0])) if storages else None
+        if ref is None or ref.handle is None or ref() is not storages[0]:
+            return None
+        return ref.allocator.history.block_context(ref.allocator._extent(ref.handle)[0])
 
     def _set_category(self, storage: torch.UntypedStorage, category: str) -> None:
         ref = self._live.get(id(storage))

@@ -63,23 +63,30 @@ def test_bytes_by_category_at_the_peak_of_a_training_step_equal_sums_computed_in
         _training_step(model, optimizer, x)
     peak = tracker.by_category(at="peak")
 
-    # The same step untracked, its saved tensors seen by the innermost (here: the only) pack hook.
-    twin, saved = _model(), []
+    # The same step untracked, its saved tensors seen by the innermost (here: the only) pack hook,
+    # which keeps (address, bytes) of each storage: the retained graph keeps them alive, so
+    # addresses stay distinct (holding the tensors would make a cycle through the graph).
+    twin, saved = _model(), {}
     twin_optimizer = torch.optim.AdamW(twin.parameters())
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = twin(x.clone()).pow(2).sum()
     loss.backward(retain_graph=True)
     gradients = [p.grad for p in twin.parameters()]
     twin_optimizer.step()
-    parameter_pointers = {p.untyped_storage().data_ptr() for p in twin.parameters()}
-    activations = [t for t in saved if t.untyped_storage().data_ptr() not in parameter_pointers]
+    for p in twin.parameters():
+        saved.pop(p.untyped_storage().data_ptr(), None)  # a saved weight is a parameter
     state = [v for s in optimizer.state.values() for v in s.values()]
 
     assert {k: peak[k] for k in ("parameter", "gradient", "optimizer_state", "activation")} == {
         "parameter": _storage_bytes(list(model.parameters())),
         "gradient": _storage_bytes(gradients),
         "optimizer_state": _storage_bytes(state),
-        "activation": _storage_bytes(activations),
+        "activation": sum(map(_blocks, saved.values())),
     }
     assert (peak["parameter"], peak["gradient"], peak["optimizer_state"]) == (25_600, 25_600, 53_248)
     assert (peak["buffer"], peak["input"]) == (0, 0)
