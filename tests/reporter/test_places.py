@@ -51,5 +51,5 @@ def test_without_history_rows_have_no_place():
 
 
 def test_a_tracker_that_is_not_a_tensor_tracker_is_a_type_error():
-    with pytest.raises(TypeError, match="tracker must be a memlab.TensorTracker or None, got str"):
+    with pytest.raises(TypeError, match=r"tracker must be a memlab\.TensorTracker or None, got str"):
         MemReporter(tracker="tracker")
