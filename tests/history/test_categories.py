@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import memlab
 from memlab import TensorTracker
 from memlab.history.categories import CATEGORIES, category_code
 from memlab.history.recorder import History
@@ -178,3 +179,17 @@ def test_a_bare_allocator_leaves_freed_blocks_unknown_and_sets_categories_once()
         ("alloc", "unknown"),
     ]
     assert kept
+
+
+def _double(batch: torch.Tensor) -> torch.Tensor:
+    return batch * 2
+
+
+def test_tensors_adopted_from_a_profiled_calls_arguments_are_inputs():
+    batch = torch.ones(1000)  # made before profiling: adopted when the profiled call begins
+    tracker = TensorTracker(history=True, adopt=True)
+    profiler = memlab.LineProfiler(_double, source=tracker)
+    with profiler:
+        _double(batch)
+    assert tracker.by_category()["input"] == 4096
+    assert tracker.allocation_context(batch)[1] == "input"
