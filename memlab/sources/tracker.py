@@ -122,7 +122,11 @@ class TensorTracker(TorchDispatchMode):
     release with its Python stack (:meth:`snapshot`) and the category of each block
     (:mod:`memlab.history.categories`): ``model`` and ``optimizer`` (or :meth:`add_model`,
     :meth:`add_optimizer`) name parameters, buffers, gradients and optimizer state; tensors saved
-    for backward are activations. With ``history`` off none of this runs.
+    for backward are activations, seen through a ``saved_tensors_hooks`` pack hook the tracker
+    installs while active (only the innermost pair of hooks applies: a user's own hooks, or
+    ``torch.utils.checkpoint``, inside the tracker hide activations from it; autograd then saves
+    detached views of the same storages, so values and gradients are unchanged). With
+    ``history`` off none of this runs.
 
     What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
     single op, the CUDA context, NCCL buffers, memory allocated outside PyTorch's dispatcher

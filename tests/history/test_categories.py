@@ -193,3 +193,18 @@ def test_tensors_adopted_from_a_profiled_calls_arguments_are_inputs():
         _double(batch)
     assert tracker.by_category()["input"] == 4096
     assert tracker.allocation_context(batch)[1] == "input"
+
+
+def test_history_leaves_gradients_and_updated_parameters_unchanged():
+    results = []
+    for history in (None, True):
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters())
+        with TensorTracker(history=history, model=model, optimizer=optimizer):
+            loss = model(torch.ones(4, 64)).pow(2).sum()
+            loss.backward()
+            gradients = [p.grad.clone() for p in model.parameters()]
+            optimizer.step()
+        results.append((gradients, [p.detach().clone() for p in model.parameters()]))
+    (grads_off, params_off), (grads_on, params_on) = results
+    assert all(torch.equal(a, b) for a, b in zip(grads_off + params_off, grads_on + params_on, strict=True))
