@@ -208,3 +208,14 @@ def test_history_leaves_gradients_and_updated_parameters_unchanged():
         results.append((gradients, [p.detach().clone() for p in model.parameters()]))
     (grads_off, params_off), (grads_on, params_on) = results
     assert all(torch.equal(a, b) for a, b in zip(grads_off + params_off, grads_on + params_on, strict=True))
+
+
+def test_exact_bytes_by_category_without_the_allocator_model():
+    with TensorTracker(allocator=None, history=True) as tracker:
+        layer = torch.nn.Linear(10, 10)
+        tracker.add_model(layer)
+        layer(torch.ones(2, 10)).sum().backward()
+    now = tracker.by_category()
+    assert (now["parameter"], now["gradient"]) == (440, 440)
+    assert sum(now.values()) == tracker.memory_allocated()
+    assert sum(tracker.by_category(at="peak").values()) == tracker.max_memory_allocated()
