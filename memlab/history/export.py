@@ -8,7 +8,8 @@ import os
 import pickle
 from typing import Any
 
-from memlab.history.recorder import UNKNOWN_CATEGORY, History, Stack
+from memlab.history.categories import UNKNOWN
+from memlab.history.recorder import History, Stack
 
 __all__ = ["PICKLE_PROTOCOL", "allocator_snapshot", "dump_snapshot", "write_snapshot"]
 
@@ -70,7 +71,7 @@ def allocator_snapshot(allocator: Any, device: int = 0) -> dict[str, Any]:
                     "requested_size": block["requested_size"],
                     "state": block["state"],
                     "frames": frames(stack),
-                    "category": category or UNKNOWN_CATEGORY,
+                    "category": category or UNKNOWN,
                 }
             )
         segment_stack = history.segment_contexts.get(segment["address"], ()) if history else ()

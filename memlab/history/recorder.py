@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from memlab.history.categories import CATEGORIES, category_code
+
 __all__ = [
     "ACTIONS",
-    "UNKNOWN_CATEGORY",
     "Frame",
     "History",
     "Stack",
@@ -41,8 +42,6 @@ ACTIONS = (
 ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM = range(
     len(ACTIONS)
 )
-#: The category of a block or entry whose category is not known.
-UNKNOWN_CATEGORY = "unknown"
 
 Frame = tuple[str, int, str]  # (filename, line, function name)
 Stack = tuple[Frame, ...]  # innermost first
@@ -87,7 +86,8 @@ class History:
 
     Each entry is an action of :data:`ACTIONS`, an address, a size in bytes, the Python stack
     at that moment (``stack()``; empty when the allocator is driven directly), a time in
-    microseconds since the epoch and a category (:data:`UNKNOWN_CATEGORY` until told otherwise).
+    microseconds since the epoch and a category (one of
+    :data:`~memlab.history.categories.CATEGORIES`; ``unknown`` until :meth:`set_category`).
     Addresses and sizes are the allocator model's: ``alloc``/``free_*`` carry the block's
     address and the requested bytes, ``segment_*`` the segment's address and total bytes, and
     ``oom`` the free device bytes (in the address column, PyTorch's ``device_free``) and the
@@ -106,7 +106,9 @@ class History:
             raise ValueError(f"max_entries must be > 0 (or None for no limit), got {max_entries}")
         self.max_entries = max_entries
         self.stack: Callable[[], Stack] = stack if stack is not None else _no_stack
-        self.categories: list[str] = [UNKNOWN_CATEGORY]  # category names by code
+        #: The category code an ``alloc`` entry gets when its block is freed still ``unknown``
+        #: (0 keeps it ``unknown``; the tensor tracker sets ``temporary``).
+        self.free_category = 0
         self._actions = array("B")
         self._addrs = array("q")
         self._sizes = array("q")
@@ -115,8 +117,9 @@ class History:
         self._stacks: list[Stack] = []
         self._start = 0  # index of the oldest entry once the ring buffer is full
         self.recorded = 0  #: entries recorded in all, including those the ring buffer dropped
-        #: ``address -> (stack, category code)`` of each live block; ``segment_contexts`` of segments
-        self.block_contexts: dict[int, tuple[Stack, int]] = {}
+        #: ``address -> (stack, category code, number of its alloc entry)`` of each live block;
+        #: ``segment_contexts`` the stacks of live segments
+        self.block_contexts: dict[int, tuple[Stack, int, int]] = {}
         self.segment_contexts: dict[int, Stack] = {}
 
     def __len__(self) -> int:
@@ -130,11 +133,14 @@ class History:
         if stack is None:
             stack = self.stack()
         now = time.time_ns() // 1000
+        number = self.recorded
         self.recorded += 1
         if action == ALLOC:
-            self.block_contexts[addr] = (stack, 0)
+            self.block_contexts[addr] = (stack, 0, number)
         elif action == FREE_COMPLETED:
-            self.block_contexts.pop(addr, None)
+            context = self.block_contexts.pop(addr, None)
+            if context is not None and context[1] == 0 and self.free_category:
+                self._set_entry_category(context[2], self.free_category)
         elif action == SEGMENT_ALLOC or action == SEGMENT_MAP:
             self.segment_contexts[addr] = stack
         elif action == SEGMENT_FREE:
@@ -156,10 +162,28 @@ class History:
         self._stacks[i] = stack
         self._start = (i + 1) % self.max_entries
 
+    def _set_entry_category(self, number: int, code: int) -> None:
+        """Set the category code of entry ``number`` (counted from the first entry ever
+        recorded), unless the ring buffer dropped it."""
+        if number >= self.recorded - len(self._actions):
+            self._category_codes[number if self.max_entries is None else number % self.max_entries] = code
+
+    def set_category(self, addr: int, category: str) -> None:
+        """Give the live block at ``addr`` ``category`` (one of
+        :data:`~memlab.history.categories.CATEGORIES`), in its context and in its ``alloc``
+        entry, as PyTorch's viewer reads categories from the entries. A block that has a
+        category keeps it; an address with no live block is ignored."""
+        context = self.block_contexts.get(addr)
+        if context is None or context[1] != 0:
+            return
+        code = category_code(category)
+        self.block_contexts[addr] = (context[0], code, context[2])
+        self._set_entry_category(context[2], code)
+
     def entries(self) -> Iterator[tuple[str, int, int, Stack, int, str]]:
         """The kept entries, oldest first, as ``(action, address, size, stack, time_us, category)``."""
         n = len(self._actions)
-        names = self.categories
+        names = CATEGORIES
         for j in range(n):
             i = (self._start + j) % n
             yield (
@@ -173,8 +197,44 @@ class History:
 
     def block_context(self, addr: int) -> tuple[Stack, str]:
         """The stack and category of the live block at ``addr`` (empty and unknown if not recorded)."""
-        stack, code = self.block_contexts.get(addr, ((), 0))
-        return stack, self.categories[code]
+        stack, code, _ = self.block_contexts.get(addr, ((), 0, 0))
+        return stack, CATEGORIES[code]
+
+    def peak_by_category(self, block_size: Callable[[int], int]) -> dict[str, int]:
+        """Bytes of the blocks live at the peak of this history, per category (every name of
+        :data:`~memlab.history.categories.CATEGORIES`, zeros included).
+
+        Replays the ``alloc``/``free_completed`` entries from the first, each block counted as
+        ``block_size(requested bytes)``; the peak is the first moment the total reaches its
+        highest value since the history began (peak resets of the statistics do not move it).
+        A block's category is the one its ``alloc`` entry carries now, so categories learnt after
+        the peak count. Raises ``ValueError`` when the ring buffer has dropped entries (the
+        replay would not know the blocks allocated before them).
+        """
+        if self.recorded != len(self._actions):
+            raise ValueError(
+                f"the peak needs the whole history, but the ring buffer (max_entries={self.max_entries}) "
+                f"dropped {self.recorded - len(self._actions)} of {self.recorded} entries; use history=True"
+            )
+        live: dict[int, tuple[int, int]] = {}  # address -> (bytes, category code)
+        totals = [0] * len(CATEGORIES)
+        peak_totals = list(totals)
+        total = peak = 0
+        columns = (self._actions, self._addrs, self._sizes, self._category_codes)
+        for action, addr, size, code in zip(*columns, strict=True):
+            if action == ALLOC:
+                nbytes = block_size(size)
+                live[addr] = (nbytes, code)
+                totals[code] += nbytes
+                total += nbytes
+                if total > peak:
+                    peak, peak_totals = total, list(totals)
+            elif action == FREE_COMPLETED:
+                freed = live.pop(addr, None)
+                if freed is not None:
+                    totals[freed[1]] -= freed[0]
+                    total -= freed[0]
+        return dict(zip(CATEGORIES, peak_totals, strict=True))
 
     def nbytes(self) -> int:
         """Bytes this history holds: its columns, the list of stack references, and each distinct

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from memlab._tensors import parts
+from memlab.history.categories import PARAMETER, UNKNOWN
 from memlab.reporter.snapshot import TensorRecord
 from memlab.sources.allocator.config import round_size
 
@@ -142,8 +143,17 @@ def build_records(
         dtype_texts = map(texts.__getitem__, dtype_objects)
     shapes = map(_FIRST, fields)
     columns = zip(
-        names, categories, devices, shapes, dtype_texts, storage_bytes, memory, shares_with, strict=False
-    )  # ``devices`` and ``dtype_texts`` may be endless repeats
+        names,
+        categories,
+        devices,
+        shapes,
+        dtype_texts,
+        storage_bytes,
+        memory,
+        shares_with,
+        itertools.repeat(None),  # allocated_at
+        strict=False,
+    )  # ``devices``, ``dtype_texts`` and ``allocated_at`` may be endless repeats
     return list(map(tuple.__new__, itertools.repeat(TensorRecord), columns))  # NamedTuple._make in C
 
 
@@ -213,23 +223,23 @@ class RecordBuilder:
             key = object_id(storage)
             owner = owners.get(key)
             if owner is not None:
-                append(make(record, (name, category, owner[1], shape, dtype, owner[2], 0, owner[3])))
+                append(make(record, (name, category, owner[1], shape, dtype, owner[2], 0, owner[3], None)))
                 continue
             nbytes = storage.nbytes()
             if tensor.is_cpu:  # the common case, without hashing a torch.device
                 owners[key] = (storage, "cpu", nbytes, name)
                 memory = cuda_block_bytes(nbytes) if modelled else nbytes
-                append(make(record, (name, category, "cpu", shape, dtype, nbytes, memory, None)))
+                append(make(record, (name, category, "cpu", shape, dtype, nbytes, memory, None, None)))
                 continue
             device, rounds = self.devices[storage.device]
             owners[key] = (storage, device, nbytes, name)
             memory = cuda_block_bytes(nbytes) if rounds else nbytes
-            append(make(record, (name, category, device, shape, dtype, nbytes, memory, None)))
+            append(make(record, (name, category, device, shape, dtype, nbytes, memory, None, None)))
 
     def add(self, top: torch.Tensor, top_name: str, category: str | None) -> None:
         """Any tensor: sparse and wrapper tensors by their parts; symbolic or unreadable sizes as unknown."""
         if category is None:  # an unnamed subclass instance
-            category = "parameter" if isinstance(top, torch.nn.Parameter) else "other"
+            category = PARAMETER if isinstance(top, torch.nn.Parameter) else UNKNOWN
         try:
             found = list(parts(top, top_name))
         except Exception:  # a subclass that refuses to be flattened: list it, size unknown

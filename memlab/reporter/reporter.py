@@ -18,12 +18,15 @@ import torch
 
 from memlab._devices import DeviceLike
 from memlab._tensors import reachable_tensors
+from memlab.history.categories import BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, UNKNOWN
 from memlab.reporter.diff import SnapshotDiff
 from memlab.reporter.records import DEVICE_MODELS, DenseTensors, build_records
 from memlab.reporter.snapshot import TensorRecord, TensorSnapshot, device_key, paused_gc
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from memlab.sources.tracker import TensorTracker
 
 __all__ = ["AllocatedMemorySource", "MemReporter"]
 
@@ -32,7 +35,7 @@ _FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operat
 _DEVICE = operator.attrgetter("device")
 # The entry of a tensor not numbered yet: its "weak reference" is a C callable returning None.
 _UNSEEN = (type(None), -1, "")
-_ANONYMOUS_CATEGORY = {torch.Tensor: "other", torch.nn.Parameter: "parameter"}
+_ANONYMOUS_CATEGORY = {torch.Tensor: UNKNOWN, torch.nn.Parameter: PARAMETER}
 
 
 class AllocatedMemorySource(Protocol):
@@ -49,7 +52,15 @@ class MemReporter:
     optimizer state (``AdamW.0.weight.exp_avg``). Other tensors are ``Tensor0``, ``Tensor1``, … (a
     subclass shows its class name, e.g. ``Parameter3``); a tensor keeps its number for as long as it
     lives, so reports and snapshots over time can be compared. The reporter keeps only weak
-    references to the model, the optimizers and tensors.
+    references to the model, the optimizers and tensors. Categories are the history's
+    (:mod:`memlab.history.categories`): ``parameter``, ``buffer``, ``gradient``,
+    ``optimizer_state``, and ``unknown`` for the others.
+
+    ``tracker`` (a :class:`memlab.TensorTracker`; default: the active one, if any, at each
+    report) with a history adds where each storage was allocated (``file:line`` of the innermost
+    user frame: the ``allocated_at`` column, and a last column in the text report) and gives the
+    ``unknown`` rows the tracker's category where it knows one (``activation``, ``input``).
+    Storages the tracker did not count have no place. Without a history nothing changes.
 
     ``pre_collect=True`` runs ``gc.collect()`` before each walk so that tensors only kept alive by
     unreachable reference cycles are freed rather than reported.
@@ -69,13 +80,25 @@ class MemReporter:
     """
 
     def __init__(
-        self, model: torch.nn.Module | None = None, pre_collect: bool = False, device_model: str | None = None
+        self,
+        model: torch.nn.Module | None = None,
+        pre_collect: bool = False,
+        device_model: str | None = None,
+        tracker: TensorTracker | None = None,
     ) -> None:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"model must be a torch.nn.Module or None, got {type(model).__name__} {model!r:.80}"
             )
         self.device_model = _check_device_model(device_model)
+        if tracker is not None:
+            from memlab.sources.tracker import TensorTracker
+
+            if not isinstance(tracker, TensorTracker):
+                raise TypeError(
+                    f"tracker must be a memlab.TensorTracker or None, got {type(tracker).__name__}"
+                )
+        self.tracker = tracker
         self._model = None if model is None else weakref.ref(model)
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.pre_collect = bool(pre_collect)
@@ -163,7 +186,7 @@ class MemReporter:
         tensors = [row[0] for row in head]
         labels = [row[1] for row in head]
         categories: list[str | None] = [row[2] for row in head]
-        # Plain tensors are "other", parameters "parameter", subclasses decided by the record builder.
+        # Plain tensors are "unknown", parameters "parameter", subclasses decided by the record builder.
         anonymous_categories = list(map(_ANONYMOUS_CATEGORY.get, map(type, anonymous)))
         if not anonymous_owners or anonymous_owners.isdisjoint(map(id, anonymous)):
             if dense is not None:  # read the few named tensors; the others were read already
@@ -180,15 +203,23 @@ class MemReporter:
                 labels.append(name)
                 categories.append(category)
         del anonymous
-        return build_records(tensors, labels, categories, dtypes, dense, self.device_model)
+        records = build_records(tensors, labels, categories, dtypes, dense, self.device_model)
+        tracker = self.tracker
+        if tracker is None:
+            from memlab.sources.tracker import active_tracker
+
+            tracker = active_tracker()
+        if tracker is not None and tracker.history:
+            return _with_places(records, tensors, labels, tracker)
+        return records
 
     def _name_model_tensors(self, named: dict[int, tuple[torch.Tensor, str, str]]) -> None:
         model = None if self._model is None else self._model()
         if model is None:
             return
         for category, items in (
-            ("parameter", model.named_parameters(remove_duplicate=False)),
-            ("buffer", model.named_buffers(remove_duplicate=False)),
+            (PARAMETER, model.named_parameters(remove_duplicate=False)),
+            (BUFFER, model.named_buffers(remove_duplicate=False)),
         ):
             for name, tensor in items:
                 entry = named.get(id(tensor))
@@ -208,10 +239,10 @@ class MemReporter:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             for index, param in enumerate(params):
                 owner = named.get(id(param))
-                param_name = owner[1] if owner is not None and owner[2] == "parameter" else str(index)
+                param_name = owner[1] if owner is not None and owner[2] == PARAMETER else str(index)
                 for key, value in optimizer.state.get(param, {}).items():
                     if isinstance(value, torch.Tensor) and id(value) not in named:
-                        named[id(value)] = (value, f"{label}.{param_name}.{key}", "optimizer state")
+                        named[id(value)] = (value, f"{label}.{param_name}.{key}", OPTIMIZER_STATE)
 
     def _number_anonymous(
         self, tensors: list[torch.Tensor], skip: Set[int]
@@ -255,7 +286,34 @@ def _with_gradients(
     for tensor, name, category in tensors:
         yield tensor, name, category
         if id(tensor) in grads:
-            yield grads[id(tensor)], f"{name}.grad", "gradient"
+            yield grads[id(tensor)], f"{name}.grad", GRADIENT
+
+
+def _with_places(
+    records: list[TensorRecord], tensors: list[torch.Tensor], labels: list[str], tracker: TensorTracker
+) -> list[TensorRecord]:
+    """``records`` with ``allocated_at`` (and, for ``unknown`` rows, the category) from ``tracker``'s
+    history, matched to ``tensors`` by their ``labels`` (parts of sparse and wrapper tensors, named
+    ``<label>.<part>``, have none)."""
+    contexts = {}
+    for tensor, label in zip(tensors, labels, strict=True):
+        context = tracker.allocation_context(tensor)
+        if context is not None:
+            contexts[label] = context
+    placed = []
+    for record in records:
+        context = contexts.get(record.name)
+        if context is None:
+            placed.append(record)
+            continue
+        stack, category = context
+        placed.append(
+            record._replace(
+                category=category if record.category == UNKNOWN else record.category,
+                allocated_at=f"{stack[0][0]}:{stack[0][1]}" if stack else None,
+            )
+        )
+    return placed
 
 
 def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:

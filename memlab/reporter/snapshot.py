@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 from memlab._devices import DeviceLike, parse_device
 from memlab._units import format_size
+from memlab.history import categories
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,7 +36,17 @@ __all__ = [
     "sizes_line",
 ]
 
-CATEGORIES = ("parameter", "buffer", "gradient", "optimizer state", "other")
+#: The categories a row can have: the history's names (:mod:`memlab.history.categories`);
+#: ``activation`` and ``input`` only where a tracker with a history knows them.
+CATEGORIES = (
+    categories.PARAMETER,
+    categories.BUFFER,
+    categories.GRADIENT,
+    categories.OPTIMIZER_STATE,
+    categories.ACTIVATION,
+    categories.INPUT,
+    categories.UNKNOWN,
+)
 
 RULE = "-" * 79
 # TensorRecord fields, read in C
@@ -54,7 +65,9 @@ class TensorRecord(NamedTuple):
     storage, ``0`` for a row that shares a storage owned by the row named in ``shares_with``. Both
     are ``None`` when the size is symbolic or the storage cannot be read. ``shape`` holds strings
     for symbolic sizes and is ``None`` for tensors without a single shape (nested tensors) or
-    refusing to give one (an uninitialized lazy parameter).
+    refusing to give one (an uninitialized lazy parameter). ``allocated_at`` is ``file:line``
+    of the innermost user frame that allocated the storage, where a :class:`memlab.TensorTracker`
+    with a history counted it (else ``None``).
     """
 
     name: str
@@ -65,6 +78,7 @@ class TensorRecord(NamedTuple):
     storage_bytes: int | None
     memory: int | None
     shares_with: str | None = None
+    allocated_at: str | None = None
 
     @property
     def numel(self) -> int | None:
@@ -210,6 +224,11 @@ class TensorSnapshot:
         lines = list(map(operator.add, map(str.ljust, labels, itertools.repeat(width)), cells))
         rule = "-" * max(len(RULE), width + size_width + _MEM_WIDTH)
         out = [template % ("Element type", "Size", "Used MEM")]
+        if any(r.allocated_at for r in records):  # a tracker's history says where each was allocated
+            lines = [
+                f"{line}  {r.allocated_at or ''}".rstrip() for line, r in zip(lines, records, strict=True)
+            ]
+            out[0] += "  Allocated at"
         # Every device with a record also has a row owning a storage, so ``records`` spans them all.
         shown = [dev for dev in self.devices if device_matches(dev, device)]
         one_device = len(shown) == 1
@@ -234,7 +253,8 @@ class TensorSnapshot:
         the report), ``storage_bytes`` (exact bytes of the storage) and ``shares_with`` (the
         owner's name for rows sharing its storage, else ``None``). Byte and element counts are
         nullable integers (``Int64``): unknown sizes are ``<NA>``. ``frame.attrs["sizes"]`` holds
-        the report's line saying where the sizes come from.
+        the report's line saying where the sizes come from. ``allocated_at`` (``file:line``, or
+        ``None``) is there when some row has one: see :meth:`memlab.MemReporter.snapshot`.
         """
         import pandas as pd
 
@@ -254,6 +274,8 @@ class TensorSnapshot:
             for r in self.select(device, verbose)
         ]
         frame = pd.DataFrame(data, columns=[*columns, "shares_with"])
+        if any(r.allocated_at for r in self.records):
+            frame["allocated_at"] = [r.allocated_at for r in self.select(device, verbose)]
         # Nullable integers: bytes stay exact integers, unknown sizes are <NA> (never NaN floats).
         frame = frame.astype({"numel": "Int64", "memory": "Int64", "storage_bytes": "Int64"})
         frame.attrs["sizes"] = sizes_line(self.device_model, set(frame["device"]))

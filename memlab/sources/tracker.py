@@ -24,9 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memlab._devices import resolve_device
 from memlab._tensors import live_storages, storages_of
 from memlab._units import parse_size
+from memlab.history import categories
 from memlab.history.export import allocator_snapshot
-from memlab.history.recorder import capture_stack, make_history
+from memlab.history.recorder import Stack, capture_stack, make_history
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
+from memlab.sources.allocator.config import round_size
 
 __all__ = ["TensorTracker", "active_tracker"]
 
@@ -39,6 +41,7 @@ _ALLOCATORS: dict[str | None, Callable[..., Any]] = {
 _FRESH_ALIASES = {torch.ops.aten.lift_fresh.default}
 
 _active: list[TensorTracker] = []
+_AT = ("now", "peak")  # the moments by_category can report
 
 
 def active_tracker() -> TensorTracker | None:
@@ -77,6 +80,10 @@ def _collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:
             _collect_storages(item, into)
 
 
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class _Warmup(TorchDispatchMode):
     """A pass-through mode: the first op under any dispatch mode imports ``torch._dynamo``
     (seconds), which must not land in the first profiled line."""
@@ -111,6 +118,16 @@ class TensorTracker(TorchDispatchMode):
     next batch, made between calls). With ``adopt=False`` (default) storages that existed before
     entry are never counted.
 
+    ``history=True`` (or an int ``max_entries``, a ring buffer) records every allocation and
+    release with its Python stack (:meth:`snapshot`) and the category of each block
+    (:mod:`memlab.history.categories`): ``model`` and ``optimizer`` (or :meth:`add_model`,
+    :meth:`add_optimizer`) name parameters, buffers, gradients and optimizer state; tensors saved
+    for backward are activations, seen through a ``saved_tensors_hooks`` pack hook the tracker
+    installs while active (only the innermost pair of hooks applies: a user's own hooks, or
+    ``torch.utils.checkpoint``, inside the tracker hide activations from it; autograd then saves
+    detached views of the same storages, so values and gradients are unchanged). With
+    ``history`` off none of this runs.
+
     What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
     single op, the CUDA context, NCCL buffers, memory allocated outside PyTorch's dispatcher
     (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), ``torch.cuda.empty_cache()``
@@ -124,6 +141,8 @@ class TensorTracker(TorchDispatchMode):
         capacity: int | str | None = None,
         adopt: bool = False,
         history: bool | int | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         super().__init__()
         if allocator not in _ALLOCATORS:
@@ -155,6 +174,14 @@ class TensorTracker(TorchDispatchMode):
         self._live: dict[int, _StorageRef] = {}
         self._pending: deque[_StorageRef] = deque()
         self._kinds: dict[Any, _OpKind] = {}
+        self._models: list[weakref.ref[torch.nn.Module]] = []
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._hooks: list[Any] = []  # removable handles of the hooks that categorise, while active
+        self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        if model is not None:
+            self.add_model(model)
+        if optimizer is not None:
+            self.add_optimizer(optimizer)
 
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> TensorTracker:
@@ -163,11 +190,138 @@ class TensorTracker(TorchDispatchMode):
         _active.append(self)
         if self.adopt_on_enter and not self.adoptions:
             self.adopt()
+        if self.history:
+            self._saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            self._saved_tensors_hooks.__enter__()
+            for ref in self._models:
+                self._hook_model(ref())
+            for ref in self._optimizers:
+                self._hook_optimizer(ref())
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self._saved_tensors_hooks is not None:
+            self._saved_tensors_hooks.__exit__(*exc_info)
+            self._saved_tensors_hooks = None
+            while self._hooks:
+                self._hooks.pop().remove()
         _active.remove(self)
         super().__exit__(*exc_info)
+
+    # -- categories -----------------------------------------------------------------------------
+    def add_model(self, model: torch.nn.Module) -> None:
+        """Categorise ``model``'s parameters (``parameter``), buffers (``buffer``) and their
+        gradients (``gradient``) in the history (see :mod:`memlab.history.categories`).
+
+        Only with ``history`` on does anything happen: while the tracker is active a hook on each
+        parameter categorises its gradient when backward accumulates it, and :meth:`snapshot` and
+        :meth:`by_category` walk the model again. Storages the tracker did not count (created
+        before it was entered, without ``adopt``) have no block to categorise. The tracker keeps a
+        weak reference to the model.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__} {model!r:.80}")
+        if all(ref() is not model for ref in self._models):
+            self._models.append(weakref.ref(model))
+            if self._saved_tensors_hooks is not None:
+                self._hook_model(model)
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Categorise the tensors of ``optimizer.state`` as ``optimizer_state`` in the history, after
+        each ``step()`` while the tracker is active and at :meth:`snapshot` / :meth:`by_category`.
+        Only with ``history`` on; the tracker keeps a weak reference to the optimizer."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW), "
+                f"got {type(optimizer).__name__} {optimizer!r:.80}"
+            )
+        if all(ref() is not optimizer for ref in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))
+            if self._saved_tensors_hooks is not None:
+                self._hook_optimizer(optimizer)
+
+    def _hook_model(self, model: torch.nn.Module | None) -> None:
+        if model is None:
+            return
+        self._categorise_model(model)
+        for param in model.parameters():
+            if param.requires_grad:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._gradient_hook))
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None:
+            return
+        self._categorise_optimizer(optimizer)
+        self._hooks.append(optimizer.register_step_post_hook(self._step_hook))
+
+    def _gradient_hook(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._categorise(param.grad, categories.GRADIENT)
+
+    def _step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._categorise_optimizer(optimizer)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._categorise(tensor, categories.ACTIVATION)
+        # Not ``tensor`` itself: a saved output would then hold its own grad_fn, a reference cycle
+        # through C++ that gc cannot break (the graph and its activations would never be freed).
+        return tensor.detach()
+
+    def _categorise_model(self, model: torch.nn.Module) -> None:
+        for param in model.parameters():
+            self._categorise(param, categories.PARAMETER)
+            if param.grad is not None:
+                self._categorise(param.grad, categories.GRADIENT)
+        for buffer in model.buffers():
+            self._categorise(buffer, categories.BUFFER)
+
+    def _categorise_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    self._categorise(value, categories.OPTIMIZER_STATE)
+
+    def _categorise_known(self) -> None:
+        """Categorise what the added models and optimizers hold now."""
+        for model_ref in self._models:
+            model = model_ref()
+            if model is not None:
+                self._categorise_model(model)
+        for optimizer_ref in self._optimizers:
+            optimizer = optimizer_ref()
+            if optimizer is not None:
+                self._categorise_optimizer(optimizer)
+
+    def _categorise(self, tensor: torch.Tensor, category: str) -> None:
+        """Give the blocks of ``tensor``'s counted storages ``category``, unless they have one."""
+        storages: list[torch.UntypedStorage] = []
+        _collect_storages(tensor, storages)
+        for storage in storages:
+            self._set_category(storage, category)
+
+    def allocation_context(self, tensor: torch.Tensor) -> tuple[Stack, str] | None:
+        """Where the block of ``tensor``'s storage was allocated, and its category:
+        ``(stack, category)``, the stack innermost first as ``(filename, line, function name)``
+        (torch's and memlab's own frames left out; empty where no Python frame ran) and the
+        category one of :data:`memlab.history.categories.CATEGORIES`. For a tensor with several
+        storages (sparse, wrapper subclasses), its first. ``None`` with ``history`` off, or for
+        a storage the tracker did not count (pre-existing, empty, or made outside the dispatcher).
+        """
+        if not self.history:
+            return None
+        if self._pending:
+            self._drain()
+        storages: list[torch.UntypedStorage] = []
+        _collect_storages(tensor, storages)
+        ref = self._live.get(id(storages[0])) if storages else None
+        if ref is None or ref.handle is None or ref() is not storages[0]:
+            return None
+        return ref.allocator.history.block_context(ref.allocator._extent(ref.handle)[0])
+
+    def _set_category(self, storage: torch.UntypedStorage, category: str) -> None:
+        ref = self._live.get(id(storage))
+        if ref is not None and ref.handle is not None and ref() is storage and ref.allocator.history:
+            ref.allocator.history.set_category(ref.allocator._extent(ref.handle)[0], category)
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -207,10 +361,13 @@ class TensorTracker(TorchDispatchMode):
         line profiler calls it at each outermost profiled call, from its trace function, where an
         exception would stop the user's program: an argument that cannot be read is skipped)."""
         with contextlib.suppress(Exception):
-            self.adopt(roots=frame.f_locals.values())
+            self.adopt(roots=frame.f_locals.values(), category=categories.INPUT)
 
     def adopt(
-        self, device: torch.device | str | int | None = None, roots: Iterable[object] | None = None
+        self,
+        device: torch.device | str | int | None = None,
+        roots: Iterable[object] | None = None,
+        category: str | None = None,
     ) -> tuple[int, int]:
         """Count the storages that ``gc`` can reach (or, given ``roots``, that those objects hold:
         see :func:`memlab._tensors.tensors_within`) and the tracker does not know yet as allocated
@@ -224,6 +381,9 @@ class TensorTracker(TorchDispatchMode):
         start; allocated and active bytes do not, except where a cached block is handed out
         whole). Returns ``(storages, bytes)`` adopted by this call; bytes as the modelled
         allocator counts them (``allocated_bytes.all``: with the CUDA model, rounded to blocks).
+
+        With ``history`` on, ``category`` (one of :data:`memlab.history.categories.CATEGORIES`)
+        is given to the adopted blocks (the line profiler adopts a call's arguments as ``input``).
 
         Adoption cannot see autograd's saved tensors of a graph alive at that moment, tensors
         held only by C++ code, or memory allocated outside PyTorch's storages. Walking ``gc``
@@ -239,6 +399,8 @@ class TensorTracker(TorchDispatchMode):
         before = {d: a.table.stats["allocated_bytes.all"][0] for d, a in self._allocators.items()}
         for storage in storages:
             self._track(storage)
+            if category is not None:
+                self._set_category(storage, category)
         adopted = sum(
             a.table.stats["allocated_bytes.all"][0] - before.get(d, 0) for d, a in self._allocators.items()
         )
@@ -248,6 +410,8 @@ class TensorTracker(TorchDispatchMode):
 
     def _new_allocator(self) -> Any:
         history = make_history(self.history, capture_stack)
+        if history is not None:
+            history.free_category = categories.category_code(categories.TEMPORARY)
         return _ALLOCATORS[self.allocator](capacity=self.capacity, history=history)
 
     def _allocator_for(self, device: torch.device) -> Any:
@@ -356,8 +520,48 @@ class TensorTracker(TorchDispatchMode):
         threads report the Python stack of the thread that triggered them, if any).
         """
         allocator = self._stats_allocator(device)
+        if allocator.history is not None:
+            self._categorise_known()
         index = next(d for d, a in self._allocators.items() if a is allocator).index
         return allocator_snapshot(allocator, index or 0)
+
+    def by_category(self, device: torch.device | str | int | None = None, at: str = "now") -> dict[str, int]:
+        """Bytes of ``device``'s live blocks per category (every name of
+        :data:`memlab.history.categories.CATEGORIES`, zeros included; ``device=None`` read as by
+        :meth:`memory_stats`). Their sum is ``allocated_bytes.all.current`` (``at="now"``).
+
+        Bytes are the modelled allocator's block sizes (with the CUDA model: 512 B blocks, or a
+        whole cached block where one is handed out whole). ``at="now"``: the blocks live now
+        (``temporary`` is then 0: a live block is never temporary). ``at="peak"``: the blocks
+        live at the highest allocated total since the history began, replayed from the history,
+        each block counted as the allocator rounds its request (equal to the block size except
+        where a whole cached block larger than that was handed out); categories learnt after
+        the peak count, and ``temporary`` holds the blocks freed without another category.
+
+        Needs ``history`` on (categories live in the history): raises ``ValueError`` without
+        it, for an ``at`` other than ``"now"``/``"peak"``, and for ``"peak"`` when a ring buffer
+        has dropped entries. What the tracker cannot see (see the class) has no category.
+        """
+        if at not in _AT:
+            raise ValueError(f"at must be one of {', '.join(map(repr, _AT))}; got {at!r}")
+        if not self.history:
+            raise ValueError(
+                "by_category needs TensorTracker(history=True or an int max_entries): categories live there"
+            )
+        allocator = self._stats_allocator(device)
+        history = allocator.history
+        self._categorise_known()
+        if at == "peak":
+            config = getattr(allocator, "config", None)
+            return history.peak_by_category(
+                (lambda nbytes: round_size(nbytes, config)) if config is not None else int
+            )
+        totals = dict.fromkeys(categories.CATEGORIES, 0)
+        for segment in allocator.snapshot():
+            for block in segment["blocks"]:
+                if block["allocated"]:
+                    totals[history.block_context(block["address"])[1]] += block["size"]
+        return totals
 
     @property
     def devices(self) -> list[torch.device]:

@@ -36,7 +36,7 @@ def test_snapshot_diff_over_one_leaking_step_names_exactly_the_leaked_tensor():
     entry = diff.appeared[0]
     assert (entry.device, entry.category, entry.shape, entry.before, entry.after) == (
         "cpu",
-        "other",
+        "unknown",
         (8, 4),
         0,
         128,
@@ -77,8 +77,10 @@ def test_snapshot_diff_reports_growth_of_the_same_tensor():
 
 
 def test_snapshots_that_count_bytes_differently_are_not_compared():
-    before = TensorSnapshot((TensorRecord("x", "other", "cpu", (1,), "float32", 4, 4),))
-    after = TensorSnapshot((TensorRecord("x", "other", "cpu", (1,), "float32", 4, 512),), device_model="cuda")
+    before = TensorSnapshot((TensorRecord("x", "unknown", "cpu", (1,), "float32", 4, 4),))
+    after = TensorSnapshot(
+        (TensorRecord("x", "unknown", "cpu", (1,), "float32", 4, 512),), device_model="cuda"
+    )
     with pytest.raises(ValueError) as raised:
         SnapshotDiff.between(before, after)
     assert str(raised.value) == (
@@ -89,9 +91,9 @@ def test_snapshots_that_count_bytes_differently_are_not_compared():
 
 def test_a_modelled_diff_says_so_in_its_last_line():
     before = TensorSnapshot(
-        (TensorRecord("x", "other", "meta", (1,), "float32", 4, 512),), device_model="cuda"
+        (TensorRecord("x", "unknown", "meta", (1,), "float32", 4, 512),), device_model="cuda"
     )
-    grown = TensorRecord("x", "other", "meta", (200,), "float32", 800, 1024)
+    grown = TensorRecord("x", "unknown", "meta", (200,), "float32", 800, 1024)
     diff = SnapshotDiff.between(before, TensorSnapshot((grown,), device_model="cuda"))
     assert [(e.change, e.before, e.after) for e in diff.entries] == [("grew", 512, 1024)]
     assert diff.render().splitlines()[-2:] == [

@@ -141,7 +141,7 @@ def _plain_tensors() -> tuple[list[torch.Tensor], list[str], list[str | None]]:
     """A 0-d fp32 loss, an empty tensor, a 100x100 fp32 weight and a view of it."""
     weight = torch.ones(100, 100)
     tensors = [torch.tensor(1.5), torch.empty(0), weight, weight[3]]
-    return tensors, ["loss", "empty", "weight", "row"], ["other", "other", "parameter", "other"]
+    return tensors, ["loss", "empty", "weight", "row"], ["unknown", "unknown", "parameter", "unknown"]
 
 
 def test_device_model_cuda_rounds_every_storage_on_the_fast_path():

@@ -72,7 +72,7 @@ def test_adamw_state_is_named_and_totals_twice_the_parameter_bytes():
     reporter = MemReporter(model, pre_collect=True)
     reporter.add_optimizer(optimizer)
     frame = reporter.to_dataframe(device="cpu")
-    state = frame[frame["category"] == "optimizer state"]
+    state = frame[frame["category"] == "optimizer_state"]
     assert list(state["name"]) == [
         "AdamW.0.weight.step",
         "AdamW.0.weight.exp_avg",
@@ -101,7 +101,7 @@ def test_optimizer_state_without_a_model_is_named_by_parameter_index():
     reporter = MemReporter(pre_collect=True)
     reporter.add_optimizer(optimizer)
     frame = reporter.to_dataframe()
-    state = frame[frame["category"] == "optimizer state"]
+    state = frame[frame["category"] == "optimizer_state"]
     assert list(state["name"]) == [
         f"AdamW.{i}.{k}" for i in (0, 1) for k in ("step", "exp_avg", "exp_avg_sq")
     ]
@@ -120,9 +120,9 @@ def test_categories_cover_parameters_buffers_gradients_state_and_others():
     assert by_name["weight"] == "parameter" and by_name["bias"] == "parameter"
     assert by_name["weight.grad"] == "gradient"
     assert by_name["running_mean"] == by_name["running_var"] == by_name["num_batches_tracked"] == "buffer"
-    assert set(frame["category"]) <= {"parameter", "gradient", "buffer", "optimizer state", "other"}
+    assert set(frame["category"]) <= {"parameter", "gradient", "buffer", "optimizer_state", "unknown"}
     mine = frame[frame["storage_bytes"] == 20]
-    assert "other" in set(mine["category"])
+    assert "unknown" in set(mine["category"])
     del other
 
 

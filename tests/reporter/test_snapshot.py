@@ -128,7 +128,7 @@ def _modelled_linear() -> TensorSnapshot:
         (
             TensorRecord("weight", "parameter", "meta", (100, 100), "float32", 40_000, 40_448),
             TensorRecord("bias", "parameter", "meta", (100,), "float32", 400, 512),
-            TensorRecord("Tensor0", "other", "meta", (100,), "float32", 40_000, 0, "weight"),
+            TensorRecord("Tensor0", "unknown", "meta", (100,), "float32", 40_000, 0, "weight"),
         ),
         device_model="cuda",
     )
@@ -159,7 +159,7 @@ def test_the_dataframe_carries_the_sizes_line():
 
 
 def test_device_arguments_select_records_as_everywhere_in_memlab():
-    record = TensorRecord("x", "other", "cuda:0", (1,), "float32", 4, 512)
+    record = TensorRecord("x", "unknown", "cuda:0", (1,), "float32", 4, 512)
     snapshot = TensorSnapshot(
         (
             record,

@@ -90,6 +90,9 @@ class ExactAllocator(AllocatorBase):
             stat[3] += amount
         self.table.counters["num_device_free"] += 1
 
+    def _extent(self, handle: int) -> tuple[int, int]:
+        return handle, self._live[handle]  # the address of a block is its handle
+
     # With a history each allocation is a segment_alloc and an alloc, each free a free_requested,
     # a free_completed and a segment_free; the address is the handle, as in snapshot().
 
