@@ -134,7 +134,8 @@ class SourceSelector:
     """Opens the memory source for a target each time profiling starts.
 
     ``source`` is ``None``/``"auto"`` (the rule in the module docstring), ``"cuda"``, ``"tracker"``
-    or a ``MemorySource`` used as it is. A tracker memlab creates is kept between sessions (memory
+    or a ``MemorySource`` used as it is (a ``TensorTracker`` that is not entered is entered for
+    each session). A tracker memlab creates is kept between sessions (memory
     a profiled call keeps is still counted at the next call); it adopts the tensors ``gc`` can
     reach at its first session and, at every profiled call, those the call's arguments hold. A
     tracker the user entered is used as it is.
@@ -161,9 +162,14 @@ class SourceSelector:
                     f"and this machine {have}; use source=None or 'tracker' to model the GPU's numbers"
                 )
             return Selection(CudaSource(device), device, lambda: None, False)
+        from memlab.sources.tracker import TensorTracker, active_tracker, is_active
+
+        if isinstance(source, TensorTracker) and not is_active(source):
+            # A tracker handed over but not entered would see no op: enter it for the session.
+            tracker = source.__enter__()
+            return Selection(tracker, device, lambda: tracker.__exit__(None, None, None), fallback)
         if source not in (None, "auto", "tracker"):
             return Selection(source, device, lambda: None, fallback)
-        from memlab.sources.tracker import TensorTracker, active_tracker
 
         tracker = active_tracker()
         if tracker is not None:

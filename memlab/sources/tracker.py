@@ -30,7 +30,7 @@ from memlab.history.recorder import Stack, capture_stack, make_history
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 from memlab.sources.allocator.config import round_size
 
-__all__ = ["TensorTracker", "active_tracker"]
+__all__ = ["TensorTracker", "active_tracker", "is_active"]
 
 _ALLOCATORS: dict[str | None, Callable[..., Any]] = {
     "cuda": CachingAllocatorModel,
@@ -42,6 +42,11 @@ _FRESH_ALIASES = {torch.ops.aten.lift_fresh.default}
 
 _active: list[TensorTracker] = []
 _AT = ("now", "peak")  # the moments by_category can report
+
+
+def is_active(tracker: TensorTracker) -> bool:
+    """Whether ``tracker`` is entered (in any thread's stack of trackers)."""
+    return any(entered is tracker for entered in _active)
 
 
 def active_tracker() -> TensorTracker | None:

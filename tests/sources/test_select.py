@@ -96,3 +96,18 @@ def test_an_unknown_source_lists_the_valid_ones():
         "source must be None or 'auto', 'cuda', 'tracker', or an object with memory_stats() and sampler(); "
         "got 'gpu'"
     )
+
+
+def test_a_tracker_handed_over_but_not_entered_is_entered_for_each_session():
+    tracker = memlab.TensorTracker(allocator=None)
+
+    def double(batch):
+        return batch * 2
+
+    lp = memlab.LineProfiler(double, target_gpu="meta", source=tracker, columns=("allocated_bytes.all.peak",))
+    with lp:
+        doubled = double(torch.ones(1000, device="meta"))
+    peaks = [row[1] for row in lp.to_dataframe(double).itertuples(index=False)]
+    assert peaks == [4000, 8000]  # the input (made once the session began) and the product
+    assert tracker.memory_allocated("meta") == 4000  # the product alone, after the session
+    del doubled
