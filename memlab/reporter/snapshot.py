@@ -50,7 +50,9 @@ CATEGORIES = (
 
 RULE = "-" * 79
 # TensorRecord fields, read in C
-_NAME, _DEVICE, _SHAPE, _MEMORY, _SHARES_WITH = (operator.itemgetter(i) for i in (0, 2, 3, 6, 7))
+_NAME, _DEVICE, _SHAPE, _MEMORY, _SHARES_WITH, _ALLOCATED_AT = (
+    operator.itemgetter(i) for i in (0, 2, 3, 6, 7, 8)
+)
 NAME_WIDTH = 40
 SIZE_WIDTH = 20
 _MEM_WIDTH = 10
@@ -224,7 +226,7 @@ class TensorSnapshot:
         lines = list(map(operator.add, map(str.ljust, labels, itertools.repeat(width)), cells))
         rule = "-" * max(len(RULE), width + size_width + _MEM_WIDTH)
         out = [template % ("Element type", "Size", "Used MEM")]
-        if any(r.allocated_at for r in records):  # a tracker's history says where each was allocated
+        if any(map(_ALLOCATED_AT, records)):  # a tracker's history says where each was allocated
             lines = [
                 f"{line}  {r.allocated_at or ''}".rstrip() for line, r in zip(lines, records, strict=True)
             ]
