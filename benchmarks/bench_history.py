@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from bench_tracker import CountOps, make_step, time_steps
+from bench_tracker import ops_per_step, time_steps
 
 import memlab
 from memlab.history.recorder import History, capture_stack
@@ -35,12 +35,7 @@ TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpu-traces" /
 
 
 def tracker_overhead(steps: int, repeats: int) -> None:
-    counter = CountOps()
-    _, _, step = make_step()
-    step()
-    with counter:
-        step()
-    ops = counter.ops
+    ops = ops_per_step()
     contexts = {
         "no mode": lambda m, o: contextlib.nullcontext(),
         "TensorTracker (history off)": lambda m, o: memlab.TensorTracker(),

@@ -57,6 +57,16 @@ def make_step():
     return model, optimizer, step
 
 
+def ops_per_step() -> int:
+    """Aten ops one training step of :func:`make_step` dispatches (after a warm-up step)."""
+    counter = CountOps()
+    _, _, step = make_step()
+    step()
+    with counter:
+        step()
+    return counter.ops
+
+
 def time_steps(context_factory, steps: int, repeats: int) -> float:
     """Median seconds per training step under the context."""
     model, optimizer, step = make_step()
@@ -90,12 +100,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # intra-op threads only add noise at these sizes
 
-    counter = CountOps()
-    _, _, step = make_step()
-    step()
-    with counter:
-        step()
-    ops = counter.ops
+    ops = ops_per_step()
 
     contexts = {
         "no mode": lambda m, o: contextlib.nullcontext(),

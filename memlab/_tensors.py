@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 __all__ = [
     "SPARSE_PARTS",
     "LiveStorage",
+    "check_optimizer",
     "live_storages",
     "live_tensors",
     "on_device",
@@ -36,6 +37,16 @@ SPARSE_PARTS = {
     torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
+
+
+def check_optimizer(optimizer: object) -> None:
+    """``TypeError`` unless ``optimizer`` is a ``torch.optim.Optimizer`` (what the tracker and the
+    reporter take to find optimizer state)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW), "
+            f"got {type(optimizer).__name__} {optimizer!r:.80}"
+        )
 
 
 def tensor_classes() -> set[type]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 import torch
 
 from memlab._devices import DeviceLike
-from memlab._tensors import reachable_tensors
+from memlab._tensors import check_optimizer, reachable_tensors
 from memlab.history.categories import BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, UNKNOWN
 from memlab.reporter.diff import SnapshotDiff
 from memlab.reporter.records import DEVICE_MODELS, DenseTensors, build_records
@@ -111,11 +111,7 @@ class MemReporter:
         ``<param>`` is the parameter's name in the model, or its index in the optimizer's
         ``state_dict()`` when the reporter has no model or the model does not hold it.
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW), "
-                f"got {type(optimizer).__name__} {optimizer!r:.80}"
-            )
+        check_optimizer(optimizer)
         if all(ref() is not optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab._devices import resolve_device
-from memlab._tensors import live_storages, storages_of
+from memlab._tensors import check_optimizer, live_storages, storages_of
 from memlab._units import parse_size
 from memlab.history import categories
 from memlab.history.export import allocator_snapshot
@@ -235,11 +235,7 @@ class TensorTracker(TorchDispatchMode):
         """Categorise the tensors of ``optimizer.state`` as ``optimizer_state`` in the history, after
         each ``step()`` while the tracker is active and at :meth:`snapshot` / :meth:`by_category`.
         Only with ``history`` on; the tracker keeps a weak reference to the optimizer."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW), "
-                f"got {type(optimizer).__name__} {optimizer!r:.80}"
-            )
+        check_optimizer(optimizer)
         if all(ref() is not optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
             if self._saved_tensors_hooks is not None:
