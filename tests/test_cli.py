@@ -510,7 +510,7 @@ def test_run_plot_draws_the_runs_memory_with_its_peak(tmp_path: Path, capsys: An
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import pickle
 
-    from memlab.history.plot import memory_series
+    from memlab.history.series import memory_series
 
     with open(tmp_path / "out.pickle", "rb") as file:
         series = memory_series(pickle.load(file))

@@ -200,42 +200,6 @@ class History:
         stack, code, _ = self.block_contexts.get(addr, ((), 0, 0))
         return stack, CATEGORIES[code]
 
-    def peak_by_category(self, block_size: Callable[[int], int]) -> dict[str, int]:
-        """Bytes of the blocks live at the peak of this history, per category (every name of
-        :data:`~memlab.history.categories.CATEGORIES`, zeros included).
-
-        Replays the ``alloc``/``free_completed`` entries from the first, each block counted as
-        ``block_size(requested bytes)``; the peak is the first moment the total reaches its
-        highest value since the history began (peak resets of the statistics do not move it).
-        A block's category is the one its ``alloc`` entry carries now, so categories learnt after
-        the peak count. Raises ``ValueError`` when the ring buffer has dropped entries (the
-        replay would not know the blocks allocated before them).
-        """
-        if self.recorded != len(self._actions):
-            raise ValueError(
-                f"the peak needs the whole history, but the ring buffer (max_entries={self.max_entries}) "
-                f"dropped {self.recorded - len(self._actions)} of {self.recorded} entries; use history=True"
-            )
-        live: dict[int, tuple[int, int]] = {}  # address -> (bytes, category code)
-        totals = [0] * len(CATEGORIES)
-        peak_totals = list(totals)
-        total = peak = 0
-        columns = (self._actions, self._addrs, self._sizes, self._category_codes)
-        for action, addr, size, code in zip(*columns, strict=True):
-            if action == ALLOC:
-                nbytes = block_size(size)
-                live[addr] = (nbytes, code)
-                totals[code] += nbytes
-                total += nbytes
-                if total > peak:
-                    peak, peak_totals = total, list(totals)
-            elif action == FREE_COMPLETED:
-                freed = live.pop(addr, None)
-                if freed is not None:
-                    totals[freed[1]] -= freed[0]
-                    total -= freed[0]
-        return dict(zip(CATEGORIES, peak_totals, strict=True))
-
     def nbytes(self) -> int:
         """Bytes this history holds: its columns, the list of stack references, and each distinct
         stack and frame it refers to (counted once). Filenames and names are not counted (they are

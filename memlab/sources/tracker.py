@@ -27,8 +27,8 @@ from memlab._units import parse_size
 from memlab.history import categories
 from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import Stack, capture_stack, make_history
+from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
-from memlab.sources.allocator.config import round_size
 
 __all__ = ["TensorTracker", "active_tracker", "is_active"]
 
@@ -314,15 +314,21 @@ class TensorTracker(TorchDispatchMode):
             self._drain()
         storages: list[torch.UntypedStorage] = []
         _collect_storages(tensor, storages)
-        ref = self._live.get(id(storages[0])) if storages else None
-        if ref is None or ref.handle is None or ref() is not storages[0]:
-            return None
-        return ref.allocator.history.block_context(ref.allocator._extent(ref.handle)[0])
+        block = self._block_of(storages[0]) if storages else None
+        return None if block is None else block[0].block_context(block[1])
 
     def _set_category(self, storage: torch.UntypedStorage, category: str) -> None:
+        block = self._block_of(storage)
+        if block is not None:
+            block[0].set_category(block[1], category)
+
+    def _block_of(self, storage: torch.UntypedStorage) -> tuple[Any, int] | None:
+        """(history, block address) of a counted ``storage``, or ``None`` (not counted, empty, or
+        its allocator keeps no history)."""
         ref = self._live.get(id(storage))
-        if ref is not None and ref.handle is not None and ref() is storage and ref.allocator.history:
-            ref.allocator.history.set_category(ref.allocator._extent(ref.handle)[0], category)
+        if ref is None or ref.handle is None or ref() is not storage or ref.allocator.history is None:
+            return None
+        return ref.allocator.history, ref.allocator._extent(ref.handle)[0]
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -534,10 +540,10 @@ class TensorTracker(TorchDispatchMode):
         Bytes are the modelled allocator's block sizes (with the CUDA model: 512 B blocks, or a
         whole cached block where one is handed out whole). ``at="now"``: the blocks live now
         (``temporary`` is then 0: a live block is never temporary). ``at="peak"``: the blocks
-        live at the highest allocated total since the history began, replayed from the history,
-        each block counted as the allocator rounds its request (equal to the block size except
-        where a whole cached block larger than that was handed out); categories learnt after
-        the peak count, and ``temporary`` holds the blocks freed without another category.
+        live at the highest allocated total since the history began, replayed from the snapshot
+        by :func:`memlab.history.series.memory_series` (the same series ``plot_memory`` draws);
+        categories learnt after the peak count, and ``temporary`` holds the blocks freed without
+        another category.
 
         Needs ``history`` on (categories live in the history): raises ``ValueError`` without
         it, for an ``at`` other than ``"now"``/``"peak"``, and for ``"peak"`` when a ring buffer
@@ -553,10 +559,17 @@ class TensorTracker(TorchDispatchMode):
         history = allocator.history
         self._categorise_known()
         if at == "peak":
-            config = getattr(allocator, "config", None)
-            return history.peak_by_category(
-                (lambda nbytes: round_size(nbytes, config)) if config is not None else int
-            )
+            if history.recorded != len(history):
+                raise ValueError(
+                    f"the peak needs the whole history, but the ring buffer (max_entries="
+                    f"{history.max_entries}) dropped {history.recorded - len(history)} of "
+                    f"{history.recorded} entries; use history=True"
+                )
+            series = memory_series(allocator_snapshot(allocator))
+            peak = dict.fromkeys(categories.CATEGORIES, 0)
+            for name, values in series.by_category.items():
+                peak[name] = values[series.peak] if values else 0
+            return peak
         totals = dict.fromkeys(categories.CATEGORIES, 0)
         for segment in allocator.snapshot():
             for block in segment["blocks"]:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import memlab
-from memlab.history.plot import binary_size, memory_series
+from memlab.history.plot import binary_size
+from memlab.history.series import memory_series
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "gpu-traces" / "traces.json"
 KiB, MiB = 1024, 1024 * 1024
