@@ -223,3 +223,37 @@ def _global_names(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
     return names
+
+
+def named_objects(fn: Callable[..., Any]) -> list[Any]:
+    """The objects ``fn`` uses by name, as :meth:`Copier.function` finds them, without copying:
+    a module or optimizer passed as ``fn`` itself, the owner of a bound method, a partial's
+    arguments, and a plain function's globals and closure variables (also those of the functions
+    of its own module that it names)."""
+    if isinstance(fn, _COPIED):
+        return [fn]
+    if isinstance(fn, types.MethodType):
+        return [fn.__self__, *named_objects(fn.__func__)]
+    if isinstance(fn, functools.partial):
+        return [*named_objects(fn.func), *fn.args, *fn.keywords.values()]
+    found: list[Any] = []
+    if not isinstance(fn, types.FunctionType):
+        return found
+    namespace, todo, seen = fn.__globals__, [fn], set()
+    while todo:
+        func = todo.pop()
+        if id(func) in seen or func.__globals__ is not namespace:
+            continue
+        seen.add(id(func))
+        values = [namespace[name] for name in _global_names(func.__code__) if name in namespace]
+        for cell in func.__closure__ or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        for value in values:
+            if isinstance(value, types.FunctionType):
+                todo.append(value)
+            else:
+                found.append(value)
+    return found

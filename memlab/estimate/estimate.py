@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +44,8 @@ _AT = ("peak", "end")
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _OP_NAMES = {
     "_local_scalar_dense": "a tensor's value read in Python (.item(), bool(), int(), float(), if tensor:)",
-    "nonzero": "nonzero (indexing with a boolean mask, torch.where(mask))",
+    "nonzero": "nonzero (torch.nonzero, torch.where(mask), indexing with a boolean mask)",
+    "index": "indexing with a boolean mask",
     "masked_select": "masked_select (indexing with a boolean mask)",
 }
 CANNOT_SEE = (
@@ -166,18 +167,21 @@ class Estimate:
         such as ``"16 GiB"``)."""
         return self.peak_reserved + parse_size(headroom, name="headroom") <= parse_size(budget, name="budget")
 
-    def line_profile(self, *functions: Callable[..., Any]) -> Any:
+    def line_profile(self, *functions: Callable[..., Any], columns: Sequence[str] | None = None) -> Any:
         """A :class:`memlab.LineProfiler` of ``functions`` (default: the estimated function) over
         a new data-free run of the same call: the table ``LineProfiler`` gives for a real run
         (``print_stats()``, ``display()``, ``to_dataframe()``), computed without allocating tensor
-        data. The call runs again (on new copies), so its cost is that of a second estimate."""
-        from memlab.line_profiler import LineProfiler
+        data. ``columns``: the statistics to record (default :data:`memlab.DEFAULT_COLUMNS`). The
+        call runs again (on new copies), so its cost is that of a second estimate."""
+        from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler
 
         if not functions:
             fn = self._function
             fn = type(fn).forward if isinstance(fn, torch.nn.Module) else getattr(fn, "func", fn)
             functions = (fn,)
-        profiler = LineProfiler(*functions, target_gpu=self._stats_device)
+        profiler = LineProfiler(
+            *functions, target_gpu=self._stats_device, columns=DEFAULT_COLUMNS if columns is None else columns
+        )
         self._rerun(profiler)
         return profiler
 
@@ -330,7 +334,6 @@ def run_estimate(
                 tracker.adopt(roots=copier.copies)
                 # One adoption, as the line that says where numbers come from reports it.
                 tracker.adoptions[:] = [tuple(map(sum, zip(*tracker.adoptions, strict=True)))]
-                tracker._categorise_known()  # before the call: a saved parameter stays a parameter
                 with profiler or contextlib.nullcontext():
                     result = call(*args, **kwargs)
                     if backward:
@@ -421,8 +424,9 @@ def _stats_device(tracker: TensorTracker) -> torch.device:
 
 
 def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
-    """From now on, the real tensors ``mode`` is handed by an op (tensors the call reached other
-    than through its copied arguments; the constants fake tensors make of literals are not)."""
+    """From now on, the real tensors ``mode`` is handed by an op: tensors the call reached other
+    than through its copied arguments (the constants fake tensors make of literals are not). One
+    that requires grad is an :class:`EstimateError` at once: backward would give it a gradient."""
     found: list[torch.Tensor] = []
     if mode is None:
         return found
@@ -433,6 +437,13 @@ def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
         fake_mode: Any, tensor: torch.Tensor, make_constant: bool = False, *a: Any, **k: Any
     ) -> Any:
         if not make_constant and converter._get_memo(tensor) is None:
+            if tensor.requires_grad:
+                what = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+                raise EstimateError(
+                    f"fn used a tensor that requires grad and is not among its arguments or the names it "
+                    f"uses ({what}), e.g. a parameter of a model another module holds; pass the model and "
+                    f"optimizer to fn as arguments so that the estimate copies them"
+                )
             found.append(tensor)
         return convert(fake_mode, tensor, make_constant, *a, **k)
 
@@ -441,16 +452,7 @@ def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
 
 
 def _outside_tensors(found: list[torch.Tensor]) -> list[str]:
-    """An error for trainable tensors the call reached other than through its arguments (their
-    gradients would be missing), a caveat for others (their bytes are not counted)."""
-    trainable = [t for t in found if t.requires_grad]
-    if trainable:
-        shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in trainable[:3])
-        raise EstimateError(
-            f"fn used {len(trainable)} tensor(s) that require grad and are not among its arguments or the "
-            f"names it uses ({shapes}{', ...' if len(trainable) > 3 else ''}), e.g. a model another module "
-            f"holds; pass the model and optimizer to fn as arguments so that the estimate copies them"
-        )
+    """The caveat for tensors the call reached other than through its arguments: not counted."""
     if not found:
         return []
     nbytes = sum(t.untyped_storage().nbytes() for t in found)
