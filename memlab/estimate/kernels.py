@@ -228,13 +228,15 @@ class CudaKernels:
         self.caveats: list[str] = []
         self._library: Any = None
         self._autocast: tuple[Callable[..., Any], Callable[..., Any]] | None = None
-        self._autocast_requests: weakref.WeakKeyDictionary[Any, tuple[bool, Any]] = weakref.WeakKeyDictionary()
+        self._autocast_requests: weakref.WeakKeyDictionary[Any, tuple[bool, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> CudaKernels:
         if _active:
             raise RuntimeError("a CudaKernels is already entered; enter one at a time")
-        library = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kernels for the run only)
+        library = torch.library.Library("aten", "IMPL")
         try:
             for key in _KEYS:
                 library.impl("dropout", self._dropout, key)
@@ -278,7 +280,7 @@ class CudaKernels:
         if train and 0 < p < 1 and input.numel() > 0 and not input.is_nested:
             what = (
                 f"aten.dropout (p={p}) on CUDA runs the fused aten.native_dropout, which keeps a 1-byte "
-                f"bool mask of {input.numel()} elements instead of a {input.dtype} one"
+                f"bool mask instead of a {input.dtype} one of the input's size"
             )
             if self._can_substitute(what, input):
                 self._count("dropout")
@@ -337,7 +339,9 @@ class CudaKernels:
             return torch.ops.aten._scaled_dot_product_efficient_attention.default(
                 query, key, value, attn_mask, compute_log_sumexp, dropout_p, is_causal, scale=scale
             )[0]
-        if attn_mask is not None and attn_mask.dtype is torch.bool:  # attention.cpp: convert_boolean_attn_mask
+        if (
+            attn_mask is not None and attn_mask.dtype is torch.bool
+        ):  # attention.cpp: convert_boolean_attn_mask
             zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
             attn_mask = torch.where(attn_mask.logical_not(), -math.inf, zero)
         return torch.ops.aten._scaled_dot_product_attention_math.default(
@@ -398,7 +402,11 @@ class CudaKernels:
         requests = self._autocast_requests
 
         def __init__(
-            instance: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None
+            instance: Any,
+            device_type: str,
+            dtype: Any = None,
+            enabled: bool = True,
+            cache_enabled: Any = None,
         ) -> None:
             original_init(instance, device_type, dtype, enabled, cache_enabled)
             requests[instance] = (enabled, dtype)
