@@ -443,8 +443,10 @@ def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
     multi-tensor (foreach) implementation (``torch/optim/optimizer.py: _default_to_fused_or_foreach``;
     not for ``differentiable=True``, nor for Adam/AdamW with a tensor ``lr`` and ``capturable=False``);
     on CPU it runs the per-tensor loop, whose temporaries differ. This sets ``foreach=True`` on such
-    groups of the copy; never call it on the user's own optimizer. Fused kernels are not the CUDA
-    default and are not set. Raises ``TypeError`` unless ``optimizer`` is a ``torch.optim.Optimizer``.
+    groups of the copy; never call it on the user's own optimizer. The parameters are taken to be
+    plain tensors or ``Parameter`` objects on CUDA (a tensor subclass such as ``DTensor`` keeps the
+    loop there). Fused kernels are not the CUDA default and are not set. Raises ``TypeError``
+    unless ``optimizer`` is a ``torch.optim.Optimizer``.
     """
     check_optimizer(optimizer)
     changed = []
