@@ -346,3 +346,22 @@ def test_differences_table():
         ("autocast", False),
     ]
     assert all(d.source.startswith(("aten/src/ATen/", "torch/")) and ": " in d.source for d in DIFFERENCES)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kept"),
+    [
+        (torch.float32, 5120 + 1024 + 512 + 512),  # efficient: output, log-sum-exp, seed, offset
+        (torch.float64, 2 * 10240 + 51200),  # math: scaled query and key, softmax output
+    ],
+)
+def test_attention_with_a_bool_mask(dtype, kept):
+    # efficient attention takes the bool mask as it is; the math path turns it into -inf/0 first
+    q = meta(2, 2, 40, 8, dtype=dtype, grad=True)
+    mask = meta(40, 40, dtype=torch.bool)
+    with memlab.TensorTracker(history=True) as tracker, CudaKernels() as kernels:
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        activation = tracker.by_category()["activation"]
+    assert kernels.substituted == {"scaled_dot_product_attention": 1}
+    assert out.shape == q.shape
+    assert activation == kept
