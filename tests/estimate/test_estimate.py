@@ -371,3 +371,28 @@ def test_estimate_of_a_gpu_step_is_close_to_the_gpus_own_peak():
     real = torch.cuda.max_memory_allocated()
     print(f"estimate peak allocated {estimate.peak_allocated}, GPU {real}")
     assert abs(estimate.peak_allocated - real) <= 0.05 * real
+
+
+def test_device_cuda_keeps_what_cudas_kernels_keep_and_device_cpu_the_cpu_path():
+    from tests.estimate.test_kernels import FF, HEADS, B, E, L, cpu_only_bytes, cuda_only_bytes
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(E, HEADS, FF, dropout=0.1, batch_first=True)
+    x = torch.randn(B, L, E)
+    on_cuda = memlab.estimate(layer, x, device="cuda")
+    on_cpu = memlab.estimate(layer, x, device="cpu")
+    assert on_cuda.substituted == {"scaled_dot_product_attention": 1, "dropout": 3}
+    assert on_cpu.substituted == {}
+    saved_cuda, saved_cpu = on_cuda.by_category("end")["activation"], on_cpu.by_category("end")["activation"]
+    assert saved_cpu - saved_cuda == cpu_only_bytes() - cuda_only_bytes() == 3072
+    assert saved_cuda == 16384
+    assert "CUDA's kernels substituted: scaled_dot_product_attention x1, dropout x3" in repr(on_cuda)
+
+    optimizer = torch.optim.AdamW(layer.parameters())
+
+    def step(layer, optimizer, x):
+        layer(x).sum().backward()
+        optimizer.step()
+
+    assert memlab.estimate(step, layer, optimizer, x, device="cuda").substituted["optimizer_foreach"] == 1
+    assert optimizer.param_groups[0]["foreach"] is None  # the user's optimizer keeps its own setting
