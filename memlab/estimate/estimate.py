@@ -363,7 +363,7 @@ def run_estimate(
         if tracker.forced_by is None:
             caveats += _outside_tensors(outside)
             if kernels is not None:
-                caveats += kernels.caveats
+                caveats += kernels.caveats + _host_step_counters(copier.optimizers)
     if tracker.forced_by is not None:  # the run read values fake tensors do not have
         if method == "cpu":
             raise AssertionError("a real CPU run cannot need values")  # pragma: no cover
@@ -379,6 +379,24 @@ def run_estimate(
         cpu.forced_by = tracker.forced_by
         return cpu
     return built
+
+
+def _host_step_counters(optimizers: list[torch.optim.Optimizer]) -> list[str]:
+    """The caveat for optimizer ``step`` counters, which a non-capturable, non-fused optimizer keeps
+    in host memory on a GPU (``torch/optim/adam.py``: ``torch.tensor(0.0)`` without a device) while
+    a run on CPU tensors counts them with the rest."""
+    counters = sum(
+        1
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        if isinstance(state.get("step"), torch.Tensor) and state["step"].dim() == 0
+    )
+    if not counters:
+        return []
+    return [
+        f"{counters} optimizer step counter(s) are counted here ({format_size(counters * 512)} in 512-byte "
+        f"blocks); a non-capturable, non-fused optimizer keeps them in host memory on a GPU"
+    ]
 
 
 def _substituted(kernels: Any, optimizer_defaults: int) -> dict[str, int]:

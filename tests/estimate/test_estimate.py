@@ -396,3 +396,19 @@ def test_device_cuda_keeps_what_cudas_kernels_keep_and_device_cpu_the_cpu_path()
 
     assert memlab.estimate(step, layer, optimizer, x, device="cuda").substituted["optimizer_foreach"] == 1
     assert optimizer.param_groups[0]["foreach"] is None  # the user's optimizer keeps its own setting
+
+
+def test_device_cuda_names_what_it_does_not_handle():
+    torch.manual_seed(0)
+    model = GRUNet()
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = torch.randn(4, 6, 64), torch.randint(0, 10, (4,))
+    estimate = memlab.estimate(train_step, model, optimizer, x, y, device="cuda")
+    assert len(estimate.caveats) == 2
+    assert estimate.caveats[0].startswith("aten.gru (torch.nn.GRU): on CUDA cuDNN runs it (aten._cudnn_rnn)")
+    assert estimate.caveats[1] == (
+        "6 optimizer step counter(s) are counted here (3.00K in 512-byte blocks); a non-capturable, "
+        "non-fused optimizer keeps them in host memory on a GPU"
+    )
+    assert estimate.caveats == memlab.estimate(train_step, model, optimizer, x, y, device="cuda").caveats
+    assert memlab.estimate(train_step, model, optimizer, x, y, device="cpu").caveats == []
