@@ -412,3 +412,28 @@ def test_device_cuda_names_what_it_does_not_handle():
     )
     assert estimate.caveats == memlab.estimate(train_step, model, optimizer, x, y, device="cuda").caveats
     assert memlab.estimate(train_step, model, optimizer, x, y, device="cpu").caveats == []
+
+
+class Trainer:
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(128, 128)
+        self.steps = 0
+
+    def loss(self, x):
+        self.steps += 1
+        return self.model(x).mean()
+
+    def step(self, x):
+        loss = self.loss(x)
+        loss.backward()
+        return loss
+
+
+def test_a_method_of_a_plain_object_uses_copies_of_its_modules():
+    trainer = Trainer()
+    estimate = memlab.estimate(trainer.step, torch.randn(16, 128))
+    assert estimate.by_category("end")["gradient"] == 128 * 128 * 4 + 512
+    assert trainer.model.weight.grad is None and trainer.steps == 0  # a shallow copy counted the call
+    wrapped = memlab.autobatch(trainer.loss, micro_batch=4)
+    wrapped(torch.randn(16, 128))
+    assert trainer.model.weight.grad is not None and trainer.steps == 4
