@@ -28,7 +28,6 @@ _OWN_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
     for path in (torch.__file__, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 )
-_ALLOC_ACTIONS = ("alloc", "segment_alloc", "segment_map")
 _Live = dict[int, tuple[int, tuple[str, int]]]  # block address -> (granted bytes, (file, line))
 
 
@@ -79,7 +78,7 @@ class Measurement:
         best, stop = -1, -1
         for i, allocated, reserved, _ in _replay(trace):
             value = allocated if metric == "allocated" else reserved
-            if trace[i]["action"] in _ALLOC_ACTIONS and value > best:
+            if trace[i]["action"] == "alloc" and value > best:  # after the alloc, with its segment
                 best, stop = value, i
         for i, _, _, live in _replay(trace):
             if i == stop:
