@@ -24,9 +24,10 @@ from memlab.sources.tracker import TensorTracker
 
 __all__ = ["Measurement", "Site", "measured"]
 
+# torch's folder and memlab's: frames there are not the user's line that allocated
 _OWN_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (torch.__file__, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for path in (torch.__file__, os.path.dirname(os.path.abspath(__file__)))
 )
 _Live = dict[int, tuple[int, tuple[str, int]]]  # block address -> (granted bytes, (file, line))
 
