@@ -18,7 +18,7 @@ def _error_text(error: BaseException | str) -> str:
     return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 
 
-def rank_report(source: Any, error: BaseException | str | None = None) -> dict[str, Any]:
+def rank_report(source: Any, error: BaseException | str | None = None, func: Any = None) -> dict[str, Any]:
     """This rank's report on ``source``, as plain data (picklable, JSON-able; see
     :mod:`memlab.distributed.merge`).
 
@@ -27,8 +27,10 @@ def rank_report(source: Any, error: BaseException | str | None = None) -> dict[s
     call ran), a :class:`memlab.TensorTracker` (allocated and reserved peaks and current bytes of
     the device it measures, as :meth:`~memlab.TensorTracker.memory_stats` reads ``device=None``,
     and, with ``history`` on, when its allocated bytes first peaked) or ``None`` (this rank
-    profiled nothing). ``error`` (an exception or a message) makes it an ``"error"`` report that
-    still carries what was recorded. Raises ``TypeError`` for another ``source``.
+    profiled nothing). ``func`` selects a line profiler's functions as
+    :meth:`memlab.LineProfiler.display` does (default: all). ``error`` (an exception or a message)
+    makes it an ``"error"`` report that still carries what was recorded. Raises ``TypeError`` for
+    another ``source``.
     """
     from memlab.line_profiler import LineProfiler
     from memlab.sources.tracker import TensorTracker
@@ -42,7 +44,7 @@ def rank_report(source: Any, error: BaseException | str | None = None) -> dict[s
     }
     if isinstance(source, LineProfiler):
         columns = ("hits", *source.columns, "delta")
-        tables = source._tables(None, columns)
+        tables = source._tables(func, columns)
         from memlab.line_profiler.export import records_to_data
 
         report.update(kind=LINES, source=source.source_line())
@@ -92,12 +94,13 @@ def _tracker_report(tracker: Any) -> dict[str, Any]:
 
 
 def gather(
-    source: Any, dst: int = 0, group: Any = None, error: BaseException | str | None = None
+    source: Any, dst: int = 0, group: Any = None, error: BaseException | str | None = None, func: Any = None
 ) -> MergedLines | MergedStats | None:
     """Collect every rank's report on ``source`` (see :func:`rank_report`) on rank ``dst`` and
     return them merged there (``None`` on the other ranks): a
     :class:`~memlab.distributed.merge.MergedLines` (per line: each rank's values, max and min with
-    their ranks, skew) for line profilers, a :class:`~memlab.distributed.merge.MergedStats` (per
+    their ranks, skew) for line profilers (``func``: which functions, as for
+    :meth:`memlab.LineProfiler.display`), a :class:`~memlab.distributed.merge.MergedStats` (per
     rank peaks, which rank peaked first) for tensor trackers.
 
     A collective: every rank of ``group`` (default: the whole job) must call it, with the same
@@ -124,7 +127,7 @@ def gather(
         error = sys.exc_info()[1]
     problem: TypeError | None = None
     try:
-        report = rank_report(source, error)
+        report = rank_report(source, error, func)
     except TypeError as raised:
         problem = raised
         report = rank_report(None, raised)
