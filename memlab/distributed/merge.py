@@ -64,7 +64,7 @@ class RankReport:
 
 
 def _status_line(reports: Sequence[RankReport]) -> str:
-    """``2 of 3 ranks reported (0, 2); rank 1 profiled nothing``; errors spelt out."""
+    """``1 of 3 ranks reported (0); rank 1 profiled nothing; rank 2 failed: RuntimeError: boom``."""
     profiled = [r.rank for r in reports if r.status == "profiled"]
     text = f"{len(profiled)} of {len(reports)} ranks reported ({', '.join(map(str, profiled)) or 'none'})"
     empty = [r.rank for r in reports if r.status == "empty"]
@@ -73,7 +73,7 @@ def _status_line(reports: Sequence[RankReport]) -> str:
         text += f"; {ranks} profiled nothing"
     for report in reports:
         if report.status == "error":
-            text += f"; rank {report.rank} raised {report.error}"
+            text += f"; rank {report.rank} failed: {report.error}"
     return text
 
 
@@ -123,7 +123,7 @@ class MergedLines:
         return [r.rank for r in self.reports if r.status == "profiled"]
 
     def status(self) -> str:
-        """One line: which ranks reported, which profiled nothing and which raised."""
+        """One line: which ranks reported, which profiled nothing and which failed (and why)."""
         return _status_line(self.reports)
 
     def to_dataframe(self, column: str | None = None) -> pd.DataFrame:
@@ -222,7 +222,7 @@ class MergedStats:
         return len(self.reports)
 
     def status(self) -> str:
-        """One line: which ranks reported, which profiled nothing and which raised."""
+        """One line: which ranks reported, which profiled nothing and which failed (and why)."""
         return _status_line(self.reports)
 
     def values(self, name: str) -> list[int | None]:

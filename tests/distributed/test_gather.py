@@ -73,7 +73,7 @@ def test_rank_0_merges_both_ranks_exact_values_and_the_skew(tmp_path):
 
 def test_a_rank_that_profiled_nothing_and_one_that_raised_do_not_block_the_others(tmp_path):
     lines, stats, text = run_ranks(tmp_path, 3, "idle")
-    status = "1 of 3 ranks reported (0); rank 1 profiled nothing; rank 2 raised RuntimeError: rank 2 failed"
+    status = "1 of 3 ranks reported (0); rank 1 profiled nothing; rank 2 failed: RuntimeError: rank 2 failed"
     assert lines["status"] == stats["status"] == status
     assert [r["status"] for r in lines["ranks"]] == ["profiled", "empty", "error"]
     rows = {number: values for _, number, _, values in lines["lines"]}
