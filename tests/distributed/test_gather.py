@@ -109,7 +109,7 @@ def test_gather_on_one_rank_returns_its_own_table(one_rank):
     assert list(frame.columns) == ["rank 0", "max", "max_rank", "min", "min_rank", "skew", "code"]
     line = step.__code__.co_firstlineno + 1
     row = frame.loc[("test_gather_on_one_rank_returns_its_own_table.<locals>.step", line)]
-    assert row.tolist() == [MiB, MiB, 0, MiB, 0, 0, "x = torch_empty(MiB // 4)"]
+    assert row.tolist() == [MiB, MiB, 0, MiB, 0, 0, "        x = torch_empty(MiB // 4)"]
 
 
 def torch_empty(n: int):
