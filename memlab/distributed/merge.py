@@ -189,7 +189,7 @@ class MergedLines:
         return "\n".join(out) + "\n"
 
     def __repr__(self) -> str:
-        return self.render()
+        return self.render().rstrip("\n")  # print() adds the last newline
 
     def to_data(self) -> dict[str, Any]:
         """Plain data (JSON-able): ``format``, ``status``, ``ranks`` (rank, status, error, source),
@@ -279,7 +279,7 @@ class MergedStats:
         return "\n".join(out) + "\n"
 
     def __repr__(self) -> str:
-        return self.render()
+        return self.render().rstrip("\n")  # print() adds the last newline
 
     def to_data(self) -> dict[str, Any]:
         """Plain data (JSON-able): ``format``, ``status``, ``ranks`` with each rank's statistics."""
