@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from datetime import timedelta
 
@@ -24,16 +23,10 @@ MiB = 1024 * 1024
 DEADLINE_S = 60
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(tmp_path, world: int, scenario: str) -> tuple[dict, dict, str]:
     context = mp.start_processes(
         run_rank,
-        args=(world, free_port(), str(tmp_path), scenario),
+        args=(world, str(tmp_path), scenario),
         nprocs=world,
         join=False,
         start_method="spawn",
@@ -83,10 +76,10 @@ def test_a_rank_that_profiled_nothing_and_one_that_raised_do_not_block_the_other
 
 
 @pytest.fixture
-def one_rank():
+def one_rank(tmp_path):
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
+        init_method=f"file://{tmp_path / 'store'}",
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=10),

@@ -21,12 +21,14 @@ def work(rank: int) -> torch.Tensor:
     return big.sum() + small.sum()
 
 
-def run_rank(rank: int, world: int, port: int, out: str, scenario: str) -> None:
+def run_rank(rank: int, world: int, out: str, scenario: str) -> None:
     """Profile :func:`work` on this rank (``scenario`` "all"), or on rank 0 only with rank 1
     profiling nothing and rank 2 raising ("idle"), then gather lines and tracker statistics on
     rank 0, which writes them to ``out``/lines.json and stats.json."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    store = f"file://{os.path.join(out, 'store')}"  # a file, not a port another process could take
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=20)
+    )
     try:
         profiler = memlab.LineProfiler(work)
         tracker = memlab.TensorTracker(history=True)
