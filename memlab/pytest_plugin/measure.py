@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import linecache
 import os
 from collections.abc import Iterator
@@ -212,7 +213,9 @@ def _on_gpu(gpu: torch.device, measurement: Measurement, history: bool, leaks: b
     start_reserved = torch.cuda.memory_reserved(gpu)
     torch.cuda.reset_peak_memory_stats(gpu)
     if history:
-        torch.cuda.memory._record_memory_history(device=gpu, clear_history=True)
+        record = torch.cuda.memory._record_memory_history
+        clear = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
+        record(device=gpu, **clear)  # torch < 2.5 cannot clear: a trace may then start earlier
     try:
         yield
     finally:
