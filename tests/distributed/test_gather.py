@@ -116,6 +116,8 @@ def test_a_bad_source_takes_part_in_the_gather_then_raises(one_rank):
         TypeError, match=re.escape("gather() takes a memlab.LineProfiler, a memlab.TensorTracker or None")
     ):
         gather("profiler")
+    # it took part in that collective: the next one pairs with the next call
+    assert gather(None).status() == "0 of 1 ranks reported (none); rank 0 profiled nothing"
 
 
 def test_gather_needs_a_process_group():
