@@ -15,7 +15,9 @@ costs host memory and time) and says which op and line forced it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,18 +61,69 @@ class EstimateError(ValueError):
     """The call cannot be estimated as given (the message says why and what to change)."""
 
 
+# Losses whose kernels compute the unreduced loss into the output's storage, then reduce it in place:
+# with reduction "mean" or "sum" the 0-dim loss keeps a storage of the inputs' broadcast size for as
+# long as it lives (aten/src/ATen/native/Loss.cpp; measured on CPU: tests/estimate). Their meta
+# kernels make a 0-dim storage, so a data-free run counts what the real kernel allocates instead.
+_FULL_STORAGE_LOSSES = {
+    torch.ops.aten.mse_loss.default,
+    torch.ops.aten.smooth_l1_loss.default,
+    torch.ops.aten.binary_cross_entropy.default,
+    torch.ops.aten.soft_margin_loss.default,
+}
+
+
 class _Tracker(TensorTracker):
-    """A tracker that remembers the first op fake tensors could not run, and where."""
+    """A tracker that remembers the first op fake tensors could not run, and where, and counts
+    the storages that real kernels allocate larger than their meta kernels do."""
 
     forced_by: str | None = None
+    _real_nbytes: int | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _FULL_STORAGE_LOSSES:
+            self._real_nbytes = _full_loss_nbytes(func, args, kwargs)
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except _DATA_DEPENDENT:
             if self.forced_by is None:
                 self.forced_by = _describe_op(func)
             raise
+        finally:
+            self._real_nbytes = None
+
+    def _track(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> None:
+        real = self._real_nbytes
+        if real is not None and nbytes is None and storage.nbytes() < real:
+            self._real_nbytes = None
+            self._oversized.add(id(storage))
+            nbytes = real
+        super()._track(storage, nbytes)
+
+    def _resize(self, ref: Any, storage: torch.UntypedStorage) -> None:
+        if ref.key in self._oversized and storage.nbytes() < ref.nbytes:
+            return  # in place on an oversized loss: the real storage keeps its size
+        super()._resize(ref, storage)
+
+    @functools.cached_property
+    def _oversized(self) -> set[int]:
+        return set()
+
+
+def _full_loss_nbytes(func: Any, args: Any, kwargs: Any) -> int | None:
+    """Bytes of the storage a full-storage loss keeps (see ``_FULL_STORAGE_LOSSES``), or ``None``
+    for ``reduction="none"`` (whose output has that size anyway)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "reduction":
+            if kwargs and "reduction" in kwargs:
+                reduction = kwargs["reduction"]
+            else:
+                reduction = args[index] if index < len(args) else argument.default_value
+            break
+    if reduction == 0:  # at::Reduction::None
+        return None
+    input, target = args[0], args[1]
+    return math.prod(torch.broadcast_shapes(input.shape, target.shape)) * input.element_size()
 
 
 def _describe_op(func: Any) -> str:

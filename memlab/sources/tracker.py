@@ -429,8 +429,10 @@ class TensorTracker(TorchDispatchMode):
             allocator = self._allocators[device] = self._new_allocator()
         return allocator
 
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        nbytes = storage.nbytes()
+    def _track(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> None:
+        """Count ``storage`` as allocated now (``nbytes``: its size, when it is not the storage's own)."""
+        if nbytes is None:
+            nbytes = storage.nbytes()
         device = storage.device
         allocator = self._allocator_for(device)
         if device not in self._seen:

@@ -437,3 +437,43 @@ def test_a_method_of_a_plain_object_uses_copies_of_its_modules():
     wrapped = memlab.autobatch(trainer.loss, micro_batch=4)
     wrapped(torch.randn(16, 128))
     assert trainer.model.weight.grad is not None and trainer.steps == 4
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda out, y, reduction: torch.nn.functional.mse_loss(out, y, reduction=reduction),
+        lambda out, y, reduction: torch.nn.functional.smooth_l1_loss(out, y, reduction=reduction, beta=0.5),
+        lambda out, y, reduction: torch.nn.functional.binary_cross_entropy(
+            torch.sigmoid(out), torch.sigmoid(y), reduction=reduction
+        ),
+        lambda out, y, reduction: torch.nn.functional.soft_margin_loss(
+            out, torch.sign(y), reduction=reduction
+        ),
+        lambda out, y, reduction: torch.nn.functional.cross_entropy(out, y.softmax(-1), reduction=reduction),
+    ],
+    ids=["mse", "smooth_l1", "bce", "soft_margin", "cross_entropy"],
+)
+def test_losses_that_keep_a_full_storage_are_counted_as_their_kernels_allocate(loss, reduction):
+    """mse_loss and a few others compute the unreduced loss into the output's storage and reduce it
+    in place: the 0-dim result keeps an input-sized storage on CPU; their meta kernels do not."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    x, y = torch.randn(1280, 256), torch.randn(1280, 256)
+
+    def step(model, x, y):
+        out = loss(model(x), y, reduction)
+        out.sum().backward()
+        return out
+
+    estimate = memlab.estimate(step, model, x, y)
+    with memlab.TensorTracker() as tracker:
+        tracker.adopt(roots=[model])
+        tracker.adopt(roots=[x, y])
+        out = step(model, x, y)
+        stats = tracker.memory_stats()
+    del out
+    model.zero_grad(set_to_none=True)
+    keys = (*KEYS, "allocated_bytes.all.current")
+    assert {key: estimate.stats[key] for key in keys} == {key: stats[key] for key in keys}
