@@ -17,6 +17,7 @@ from memlab.line_profiler import (
     profile_every,
     set_target_gpu,
 )
+from memlab.oom import explain_oom
 from memlab.reporter import MemReporter
 from memlab.sources.allocator import CachingAllocatorModel
 from memlab.sources.stats import STAT_KEYS
@@ -62,6 +63,7 @@ __all__ = [
     "__version__",
     "clear_global_line_profiler",
     "dump_snapshot",
+    "explain_oom",
     "load_ipython_extension",
     "plot_memory",
     "profile",
