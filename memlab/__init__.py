@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memlab.courtesy import Courtesy
+from memlab.estimate import Estimate, EstimateError, autobatch, estimate, max_batch_size
 from memlab.history.export import dump_snapshot
 from memlab.line_profiler import (
     DEFAULT_COLUMNS,
@@ -57,14 +58,19 @@ __all__ = [
     "STAT_KEYS",
     "CachingAllocatorModel",
     "Courtesy",
+    "Estimate",
+    "EstimateError",
     "LineProfiler",
     "MemReporter",
     "TensorTracker",
     "__version__",
+    "autobatch",
     "clear_global_line_profiler",
     "dump_snapshot",
+    "estimate",
     "explain_oom",
     "load_ipython_extension",
+    "max_batch_size",
     "plot_memory",
     "profile",
     "profile_every",

@@ -416,6 +416,8 @@ class TensorTracker(TorchDispatchMode):
         adopted = sum(
             a.table.stats["allocated_bytes.all"][0] - before.get(d, 0) for d, a in self._allocators.items()
         )
+        if storages and self._saved_tensors_hooks is not None:
+            self._categorise_known()  # an added model's adopted parameters are parameters from now on
         if storages or not self.adoptions:  # the first call is kept: "nothing existed before"
             self.adoptions.append((len(storages), adopted))
         return len(storages), adopted

@@ -1,0 +1,259 @@
+"""Copies of a call's tensors, modules and optimizers for an estimate, the user's own left alone.
+
+An estimate runs ``fn(*args, **kwargs)`` on copies: every tensor among the arguments (inside lists,
+tuples, dicts, named tuples and dataclasses), every module (its parameters, buffers and gradients)
+and every optimizer (its state, bound to the copied parameters) is replaced by a copy made by
+``copy_tensor`` (a fake tensor, or a real CPU clone for a real run). What ``fn`` names directly
+(a global ``model``, a closure's ``optimizer``) is copied too: the function is rebuilt over a copy
+of its module's namespace in which those names, and the functions of the same module that ``fn``
+calls, are replaced. Other objects are passed as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["Copier"]
+
+# Objects an estimate copies; anything else is shared with the user's program.
+_COPIED = (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+class Copier:
+    """Copies objects with ``copy_tensor`` applied to each tensor, each object once (a tensor held
+    twice, or a parameter held by a module and an optimizer, is copied once and shared).
+
+    ``modules``, ``optimizers`` and ``inputs`` list the copies made, in order: the tensors that are
+    not parameters, buffers or optimizer state are the call's inputs.
+    """
+
+    def __init__(self, copy_tensor: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._copy_tensor = copy_tensor
+        self._memo: dict[int, Any] = {}
+        self._keep: list[Any] = []  # originals, so that ids in the memo stay unique
+        self.modules: list[torch.nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.inputs: list[torch.Tensor] = []
+        #: The user's tensors that were copied, and their copies, in the same order.
+        self.originals: list[torch.Tensor] = []
+        self.copies: list[torch.Tensor] = []
+
+    # -- tensors --------------------------------------------------------------------------------
+    def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The copy of ``tensor``: a ``Parameter`` stays one, ``requires_grad`` and ``.grad`` are kept."""
+        found = self._memo.get(id(tensor))
+        if found is not None:
+            return found
+        new = self._copy_tensor(tensor)
+        if isinstance(tensor, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+        if tensor.is_leaf and tensor.grad is not None:
+            new.grad = self.tensor(tensor.grad)
+        self._remember(tensor, new)
+        self.originals.append(tensor)
+        self.copies.append(new)
+        return new
+
+    def _remember(self, original: Any, new: Any) -> None:
+        self._memo[id(original)] = new
+        self._keep.append(original)
+
+    # -- structures -----------------------------------------------------------------------------
+    def __call__(self, obj: Any) -> Any:
+        """The copy of ``obj`` (see the module docstring); objects that hold nothing copied are
+        returned as they are."""
+        found = self._memo.get(id(obj), self)
+        if found is not self:
+            return found
+        if isinstance(obj, torch.Tensor):
+            new = self.tensor(obj)
+            self.inputs.append(new)
+            return new
+        if isinstance(obj, torch.nn.Module):
+            return self._module(obj)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self._optimizer(obj)
+        if type(obj) in (list, tuple):
+            new = type(obj)(self(item) for item in obj)
+        elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+            new = type(obj)(*(self(item) for item in obj))
+        elif type(obj) is dict:
+            new = {key: self(value) for key, value in obj.items()}
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            changes = {field.name: self(getattr(obj, field.name)) for field in dataclasses.fields(obj)}
+            new = dataclasses.replace(obj, **{k: v for k, v in changes.items() if v is not getattr(obj, k)})
+        else:
+            return obj
+        self._remember(obj, new)
+        return new
+
+    def _module(self, module: torch.nn.Module) -> torch.nn.Module:
+        memo: dict[int, Any] = {}
+        for sub in module.modules():
+            for value in (*sub._parameters.values(), *sub._buffers.values(), *vars(sub).values()):
+                if isinstance(value, torch.Tensor):
+                    memo[id(value)] = self.tensor(value)
+        new = self._deepcopy(module, memo)
+        self.modules.append(new)
+        return new
+
+    def _optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        memo: dict[int, Any] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                memo[id(param)] = self.tensor(param)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    memo[id(value)] = self.tensor(value)
+        new = self._deepcopy(optimizer, memo)
+        self.optimizers.append(new)
+        return new
+
+    def _deepcopy(self, obj: Any, memo: dict[int, Any]) -> Any:
+        memo.update(self._memo)
+        new = copy.deepcopy(obj, memo)
+        self._remember(obj, new)
+        return new
+
+    # -- functions ------------------------------------------------------------------------------
+    def function(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` rebound to copies: a module is copied and called; a bound method of a module or
+        an optimizer is bound to its copy; a ``functools.partial`` gets copied arguments; a plain
+        function is rebuilt with the modules, optimizers and tensors it names (as globals or
+        closure variables, also through the functions of its module it names) replaced by copies."""
+        if isinstance(fn, _COPIED):
+            return self(fn)
+        if isinstance(fn, types.MethodType):
+            owner = self(fn.__self__)
+            func = self.function(fn.__func__)
+            return (
+                types.MethodType(func, owner) if owner is not fn.__self__ or func is not fn.__func__ else fn
+            )
+        if isinstance(fn, functools.partial):
+            return functools.partial(self.function(fn.func), *self(list(fn.args)), **self(dict(fn.keywords)))
+        if isinstance(fn, types.FunctionType):
+            rebinder = _Rebinder(self, fn.__globals__)
+            new = rebinder.function(fn)
+            rebinder.finish()
+            return new
+        return fn
+
+
+class _Rebinder:
+    """Rebuilds the functions of one module namespace over a copy of it (created on first need)."""
+
+    def __init__(self, copier: Copier, namespace: dict[str, Any]) -> None:
+        self.copier = copier
+        self.namespace = namespace
+        self.new_namespace: dict[str, Any] | None = None
+        self.done: dict[int, types.FunctionType] = {}
+
+    def function(self, fn: types.FunctionType) -> types.FunctionType:
+        found = self.done.get(id(fn))
+        if found is not None:
+            return found
+        if fn.__globals__ is not self.namespace:
+            return fn  # another module's function: it sees its own module's objects
+        self.done[id(fn)] = fn  # recursion (a function naming itself) ends here
+        changes: dict[str, Any] = {}
+        for name in _global_names(fn.__code__):
+            if name in self.namespace:
+                value = self._value(self.namespace[name])
+                if value is not self.namespace[name]:
+                    changes[name] = value
+        closure = fn.__closure__
+        if closure is not None:
+            values = []
+            for cell in closure:
+                try:
+                    values.append(cell.cell_contents)
+                except ValueError:  # an empty cell (a name assigned later)
+                    values.append(cell)
+            new_values = [
+                value if value is cell else self._value(value)
+                for value, cell in zip(values, closure, strict=True)
+            ]
+            if any(new is not old for new, old in zip(new_values, values, strict=True)):
+                closure = tuple(
+                    cell if value is cell else types.CellType(value)
+                    for value, cell in zip(new_values, fn.__closure__, strict=True)
+                )
+        if not changes and closure is fn.__closure__ and self.new_namespace is None:
+            del self.done[id(fn)]
+            return fn
+        if self.new_namespace is None:
+            self.new_namespace = dict(self.namespace)
+        self.new_namespace.update(changes)
+        new = types.FunctionType(fn.__code__, self.new_namespace, fn.__name__, fn.__defaults__, closure)
+        new.__kwdefaults__ = fn.__kwdefaults__
+        new.__dict__.update(fn.__dict__)
+        new.__qualname__ = fn.__qualname__
+        self.done[id(fn)] = new
+        return new
+
+    def finish(self) -> None:
+        """Point the copied namespace's names at the rebuilt functions (a function reached again
+        through recursion was first left as it was)."""
+        if self.new_namespace is not None:
+            for name, value in self.new_namespace.items():
+                new = self.done.get(id(value))
+                if new is not None:
+                    self.new_namespace[name] = new
+
+    def _value(self, value: Any) -> Any:
+        if isinstance(value, _COPIED):
+            return self.copier(value)
+        if isinstance(value, types.FunctionType):
+            return self.function(value)
+        return value
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the code nested in it (lambdas, inner functions) may read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def named_objects(fn: Callable[..., Any]) -> list[Any]:
+    """The objects ``fn`` uses by name, as :meth:`Copier.function` finds them, without copying:
+    a module or optimizer passed as ``fn`` itself, the owner of a bound method, a partial's
+    arguments, and a plain function's globals and closure variables (also those of the functions
+    of its own module that it names)."""
+    if isinstance(fn, _COPIED):
+        return [fn]
+    if isinstance(fn, types.MethodType):
+        return [fn.__self__, *named_objects(fn.__func__)]
+    if isinstance(fn, functools.partial):
+        return [*named_objects(fn.func), *fn.args, *fn.keywords.values()]
+    found: list[Any] = []
+    if not isinstance(fn, types.FunctionType):
+        return found
+    namespace, todo, seen = fn.__globals__, [fn], set()
+    while todo:
+        func = todo.pop()
+        if id(func) in seen or func.__globals__ is not namespace:
+            continue
+        seen.add(id(func))
+        values = [namespace[name] for name in _global_names(func.__code__) if name in namespace]
+        for cell in func.__closure__ or ():
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        for value in values:
+            if isinstance(value, types.FunctionType):
+                todo.append(value)
+            else:
+                found.append(value)
+    return found

@@ -1,0 +1,462 @@
+"""``memlab.estimate``: the memory a call will take, measured on data-free copies before running it.
+
+The call runs on copies of its tensors, modules and optimizers (:mod:`memlab.estimate.copies`):
+fake tensors (``FakeTensorMode``) on the arguments' device type, or ``meta`` tensors for ``meta``
+arguments. A :class:`~memlab.sources.tracker.TensorTracker` counts every storage the run creates
+and replays it through the CUDA caching allocator model, so the numbers are those the tracker
+gives for a real run, without allocating a byte of tensor data. PyTorch chooses kernels per device;
+an estimate for ``device="cuda"`` on a machine without CUDA substitutes CUDA's choices where they
+allocate differently (:mod:`memlab.estimate.kernels`). An op whose output depends on tensor values
+(``.item()``, ``nonzero``, a boolean mask, ``if tensor:``) cannot run on fake tensors: the
+estimate then runs the call for real on CPU copies (``method="cpu"``: exact for tracked bytes,
+costs host memory and time) and says which op and line forced it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memlab._devices import parse_device
+from memlab._units import format_size, parse_size
+from memlab.estimate.copies import Copier
+from memlab.history import categories
+from memlab.history.recorder import capture_stack
+from memlab.sources.tracker import TensorTracker
+
+__all__ = ["Estimate", "EstimateError", "estimate"]
+
+METHODS = ("fake", "meta", "cpu")
+_AT = ("peak", "end")
+# What fake tensors cannot do: each forces a real CPU run, named in the estimate.
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+_OP_NAMES = {
+    "_local_scalar_dense": "a tensor's value read in Python (.item(), bool(), int(), float(), if tensor:)",
+    "nonzero": "nonzero (torch.nonzero, torch.where(mask), indexing with a boolean mask)",
+    "index": "indexing with a boolean mask",
+    "masked_select": "masked_select (indexing with a boolean mask)",
+}
+CANNOT_SEE = (
+    "kernel workspaces (cuBLAS, cuDNN) and temporaries inside one kernel, the CUDA context, NCCL "
+    "buffers, memory allocated outside PyTorch's dispatcher, and device-specific kernel choices "
+    "other than those listed in memlab.estimate.kernels.DIFFERENCES"
+)
+
+
+class EstimateError(ValueError):
+    """The call cannot be estimated as given (the message says why and what to change)."""
+
+
+class _Tracker(TensorTracker):
+    """A tracker that remembers the first op fake tensors could not run, and where."""
+
+    forced_by: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except _DATA_DEPENDENT:
+            if self.forced_by is None:
+                self.forced_by = _describe_op(func)
+            raise
+
+
+def _describe_op(func: Any) -> str:
+    name = func.overloadpacket.__name__
+    what = _OP_NAMES.get(name, f"aten.{name} (its output depends on tensor values)")
+    stack = capture_stack()
+    if not stack:
+        return what
+    filename, line, _ = stack[0]
+    code = linecache.getline(filename, line).strip()
+    return f"{what} at {filename}:{line}" + (f": {code}" if code else "")
+
+
+class Estimate:
+    """The memory a call takes, from a data-free run (see :func:`estimate`).
+
+    Bytes are those the CUDA caching allocator model reports for the run (``memory_stats`` keys:
+    512 B blocks, 2 MiB / 20 MiB segments, caching), counting the tensors the arguments held
+    before the call (parameters, gradients, optimizer state, inputs) from the start.
+
+    ``peak_allocated``, ``peak_active``, ``peak_reserved``: the highest values during the call (bytes).
+    ``stats``: the full ``torch.cuda.memory_stats()``-style dict at the end of the call (the
+    result still alive). ``method``: ``"fake"`` (fake tensors), ``"meta"`` (``meta`` tensors) or
+    ``"cpu"`` (a real run on CPU copies, when ``forced_by`` names the op fake tensors could not
+    run). ``device``: whose kernels were mimicked. ``caveats``: what this run hit that the estimate
+    does not model (one sentence each). ``substituted``: CUDA kernel substitutions made (name ->
+    count). ``tracker``: the :class:`~memlab.sources.tracker.TensorTracker` that counted (its
+    ``snapshot()`` is the run's memory snapshot, for ``memlab viz`` or ``plot_memory``).
+
+    What an estimate cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries inside one
+    kernel, the CUDA context (hundreds of MiB per process on a GPU), NCCL buffers, memory
+    allocated outside PyTorch's dispatcher, and device-specific kernel choices other than those
+    listed in :data:`memlab.estimate.kernels.DIFFERENCES`; reserved bytes assume an allocator that
+    starts empty (a real process may have cached blocks already).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        method: str,
+        device: torch.device,
+        tracker: TensorTracker,
+        stats_device: torch.device,
+        caveats: list[str],
+        substituted: dict[str, int],
+        forced_by: str | None,
+        rerun: Callable[[Any], Estimate],
+        function: Callable[..., Any],
+    ) -> None:
+        self.name = name
+        self._function = function
+        self.method = method
+        self.device = device
+        self.tracker = tracker
+        self.stats = tracker.memory_stats(stats_device)
+        self.caveats = caveats
+        self.substituted = substituted
+        self.forced_by = forced_by
+        self._stats_device = stats_device
+        self._rerun = rerun
+        self._by_category = {
+            "peak": tracker.by_category(stats_device, at="peak"),
+            "end": tracker.by_category(stats_device, at="now"),
+        }
+
+    @property
+    def peak_allocated(self) -> int:
+        """Highest bytes allocated to tensors during the call (``allocated_bytes.all.peak``)."""
+        return self.stats["allocated_bytes.all.peak"]
+
+    @property
+    def peak_active(self) -> int:
+        """Highest bytes in active blocks during the call (``active_bytes.all.peak``)."""
+        return self.stats["active_bytes.all.peak"]
+
+    @property
+    def peak_reserved(self) -> int:
+        """Highest bytes the modelled allocator held from the device (``reserved_bytes.all.peak``):
+        what must fit in the GPU's memory."""
+        return self.stats["reserved_bytes.all.peak"]
+
+    def by_category(self, at: str = "peak") -> dict[str, int]:
+        """Bytes per category (:data:`memlab.history.categories.CATEGORIES`: parameter, buffer,
+        gradient, optimizer_state, activation, input, temporary, unknown) at the peak of allocated
+        bytes (``at="peak"``; ``temporary`` holds blocks freed without another category) or at the
+        end of the call (``at="end"``). Block sizes as the allocator model counts them."""
+        if at not in _AT:
+            raise ValueError(f"at must be one of {', '.join(map(repr, _AT))}; got {at!r}")
+        return dict(self._by_category[at])
+
+    def fits(self, budget: int | str, headroom: int | str = 0) -> bool:
+        """Whether the peak reserved bytes plus ``headroom`` fit in ``budget`` (bytes or sizes
+        such as ``"16 GiB"``)."""
+        return self.peak_reserved + parse_size(headroom, name="headroom") <= parse_size(budget, name="budget")
+
+    def line_profile(self, *functions: Callable[..., Any], columns: Sequence[str] | None = None) -> Any:
+        """A :class:`memlab.LineProfiler` of ``functions`` (default: the estimated function) over
+        a new data-free run of the same call: the table ``LineProfiler`` gives for a real run
+        (``print_stats()``, ``display()``, ``to_dataframe()``), computed without allocating tensor
+        data. ``columns``: the statistics to record (default :data:`memlab.DEFAULT_COLUMNS`). The
+        call runs again (on new copies), so its cost is that of a second estimate."""
+        from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler
+
+        if not functions:
+            fn = self._function
+            fn = type(fn).forward if isinstance(fn, torch.nn.Module) else getattr(fn, "func", fn)
+            functions = (fn,)
+        profiler = LineProfiler(
+            *functions, target_gpu=self._stats_device, columns=DEFAULT_COLUMNS if columns is None else columns
+        )
+        self._rerun(profiler)
+        return profiler
+
+    def _rows(self) -> list[tuple[str, str, str]]:
+        peak, end = self._by_category["peak"], self._by_category["end"]
+        return [(name, format_size(peak[name]), format_size(end[name])) for name in categories.CATEGORIES]
+
+    def _header(self) -> str:
+        how = {
+            "fake": "fake tensors",
+            "meta": "meta tensors",
+            "cpu": "a real run on CPU copies",
+        }[self.method]
+        return (
+            f"memlab estimate of {self.name} on {self.device.type} ({how}; CUDA caching allocator modelled)"
+        )
+
+    def __repr__(self) -> str:
+        stats = self.stats
+        lines = [
+            self._header(),
+            f"peak allocated {format_size(self.peak_allocated)}, active {format_size(self.peak_active)}, "
+            f"reserved {format_size(self.peak_reserved)}",
+            f"at the end: allocated {format_size(stats['allocated_bytes.all.current'])}, "
+            f"reserved {format_size(stats['reserved_bytes.all.current'])}",
+            f"{'category':<16}{'at peak':>10}{'at end':>10}",
+        ]
+        lines += [f"{name:<16}{peak:>10}{end:>10}" for name, peak, end in self._rows()]
+        if self.forced_by:
+            lines.append(f"ran on CPU copies because fake tensors cannot run {self.forced_by}")
+        lines += [f"caveat: {caveat}" for caveat in self.caveats]
+        lines.append(f"not seen: {CANNOT_SEE}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        rows = "".join(
+            f"<tr><td>{name}</td><td>{peak}</td><td>{end}</td></tr>" for name, peak, end in self._rows()
+        )
+        notes = (
+            [f"ran on CPU copies because fake tensors cannot run {self.forced_by}"] if self.forced_by else []
+        )
+        notes += [f"caveat: {caveat}" for caveat in self.caveats] + [f"not seen: {CANNOT_SEE}"]
+        return (
+            f"<p>{html.escape(self._header())}</p>"
+            f"<p>peak allocated <b>{format_size(self.peak_allocated)}</b>, active "
+            f"<b>{format_size(self.peak_active)}</b>, reserved <b>{format_size(self.peak_reserved)}</b></p>"
+            f"<table><tr><th>category</th><th>at peak</th><th>at end</th></tr>{rows}</table>"
+            + "".join(f"<p>{html.escape(note)}</p>" for note in notes)
+        )
+
+
+def estimate(
+    fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None, **kwargs: Any
+) -> Estimate:
+    """Estimate the memory ``fn(*args, **kwargs)`` takes, without running it on real data.
+
+    ``fn`` runs on data-free copies of every tensor, module and optimizer among the arguments
+    (nested in lists, tuples, dicts, named tuples and dataclasses) and of those ``fn`` names
+    directly as globals or closure variables (a global ``model``, also through the functions of
+    its module it calls); a module passed as ``fn`` is copied, and so is the owner of a bound
+    method. The user's objects are never touched, moved or given gradients. Other objects (lists
+    ``fn`` appends to, counters) are shared and changed as by a real call.
+
+    ``device`` says whose kernels to mimic: ``"cuda"`` (the default when an argument is on a GPU),
+    ``"cpu"``, ``"meta"``; default: the arguments' device type, else torch's default device. On a
+    machine without CUDA, ``device="cuda"`` runs fake CPU tensors with CUDA's kernel choices
+    substituted where they allocate differently (:mod:`memlab.estimate.kernels`); differences not
+    handled are named in ``caveats`` when the run hits them.
+
+    An op that fake tensors cannot run (its output depends on tensor values: ``.item()``,
+    ``nonzero``, boolean masks, ``if tensor:``) makes the estimate run ``fn`` for real on CPU
+    copies of the arguments (``method="cpu"``; exact for the bytes a tracker counts, costs host
+    memory and the time of a real run) and ``forced_by`` names the op and the line. A tensor that
+    requires grad and that ``fn`` reaches other than through its arguments or the names it uses
+    (a model held by another module's global, say) is an :class:`EstimateError`: its gradients and
+    optimizer update would be missing from the estimate.
+
+    Returns an :class:`Estimate`. See its docstring for what an estimate cannot see.
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"fn must be callable (a function, module or method), got {type(fn).__name__} {fn!r:.80}"
+        )
+    return run_estimate(fn, lambda: (args, kwargs), _target(device, (fn, args, kwargs)))
+
+
+def _target(device: torch.device | str | None, roots: Any) -> torch.device:
+    if device is not None:
+        return parse_device(device, name="device")
+    from memlab._tensors import tensors_within
+
+    types = {t.device.type for t in tensors_within([roots])}
+    if "cuda" in types:
+        return torch.device("cuda")
+    if len(types) == 1:
+        return torch.device(types.pop())
+    return torch.get_default_device()
+
+
+def run_estimate(
+    fn: Callable[..., Any],
+    make_arguments: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
+    device: torch.device,
+    *,
+    with_grads: bool = False,
+    backward: bool = False,
+    profiler: Any = None,
+    method: str | None = None,
+) -> Estimate:
+    """Run ``fn`` on data-free copies of what ``make_arguments()`` returns (``(args, kwargs)``;
+    called under the fake mode, so tensors it creates are fake from the start) and return the
+    :class:`Estimate`. ``with_grads``: give every trainable parameter a gradient first (a step
+    that accumulates into existing gradients); ``backward``: call ``.backward()`` on the result;
+    ``profiler``: a LineProfiler enabled around the call; ``method``: force ``"cpu"``."""
+    method = method or ("meta" if device.type == "meta" else "fake")
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+
+    def rerun(new_profiler: Any) -> Estimate:
+        return run_estimate(
+            fn, make_arguments, device, with_grads=with_grads, backward=backward,
+            profiler=new_profiler, method=method,
+        )  # fmt: skip
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
+    tracker = _Tracker(history=True)
+    kernels = _kernels(device, data_free=method != "cpu")
+    caveats: list[str] = []
+    with _disable_current_modes(), mode or contextlib.nullcontext():
+        copier = Copier(_tensor_copier(method, mode))
+        args, kwargs = make_arguments()
+        call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))
+        if with_grads:
+            _give_gradients(copier.modules)
+        outside = _watch_outside(mode)
+        for module in copier.modules:
+            tracker.add_model(module)
+        for optimizer in copier.optimizers:
+            tracker.add_optimizer(optimizer)
+            if kernels is not None:
+                from memlab.estimate.kernels import cuda_optimizer_defaults
+
+                cuda_optimizer_defaults(optimizer)
+        try:
+            with tracker, kernels or contextlib.nullcontext():
+                tracker.adopt(roots=copier.modules)
+                tracker.adopt(roots=copier.optimizers)
+                tracker.adopt(roots=copier.inputs, category=categories.INPUT)
+                tracker.adopt(roots=copier.copies)
+                # One adoption, as the line that says where numbers come from reports it.
+                tracker.adoptions[:] = [tuple(map(sum, zip(*tracker.adoptions, strict=True)))]
+                with profiler or contextlib.nullcontext():
+                    result = call(*args, **kwargs)
+                    if backward:
+                        result.backward()
+                tracker._categorise_known()
+                stats_device = _stats_device(tracker)
+                built = Estimate(
+                    name=name,
+                    method=method,
+                    device=device,
+                    tracker=tracker,
+                    stats_device=stats_device,
+                    caveats=caveats,
+                    substituted=dict(kernels.substituted) if kernels is not None else {},
+                    forced_by=None,
+                    rerun=rerun,
+                    function=fn,
+                )
+                del result
+        except Exception:
+            if tracker.forced_by is None:
+                raise  # the user's own error, or ours: never hidden
+        if tracker.forced_by is None:
+            caveats += _outside_tensors(outside)
+            if kernels is not None:
+                caveats += kernels.caveats
+    if tracker.forced_by is not None:  # the run read values fake tensors do not have
+        if method == "cpu":
+            raise AssertionError("a real CPU run cannot need values")  # pragma: no cover
+        cpu = run_estimate(
+            fn,
+            make_arguments,
+            device,
+            with_grads=with_grads,
+            backward=backward,
+            profiler=profiler,
+            method="cpu",
+        )
+        cpu.forced_by = tracker.forced_by
+        return cpu
+    return built
+
+
+def _kernels(device: torch.device, data_free: bool) -> Any:
+    """CUDA's kernel choices for an estimate of ``cuda`` on a machine that cannot run them."""
+    if device.type != "cuda" or torch.cuda.is_available():
+        return None
+    from memlab.estimate.kernels import CudaKernels
+
+    return CudaKernels(data_free=data_free)
+
+
+def _tensor_copier(method: str, mode: FakeTensorMode | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    if method == "fake":
+
+        def fake(tensor: torch.Tensor) -> torch.Tensor:
+            if isinstance(tensor, FakeTensor) and tensor.fake_mode is mode:
+                return tensor  # made by make_arguments under the mode: data-free already
+            return mode.from_tensor(tensor)
+
+        return fake
+    target = "meta" if method == "meta" else "cpu"
+    memo: dict[int, Any] = {}
+
+    def real(tensor: torch.Tensor) -> torch.Tensor:
+        source = tensor.detach()
+        if source.device.type == target:  # keeps views of one storage sharing it
+            import copy
+
+            new = copy.deepcopy(source, memo)
+        else:
+            new = source.to(target, copy=True)
+        return new.requires_grad_(tensor.requires_grad) if tensor.is_leaf else new
+
+    return real
+
+
+def _give_gradients(modules: list[torch.nn.Module]) -> None:
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+
+def _stats_device(tracker: TensorTracker) -> torch.device:
+    devices = tracker.devices
+    return devices[0] if devices else torch.device("meta")
+
+
+def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
+    """From now on, the real tensors ``mode`` is handed by an op: tensors the call reached other
+    than through its copied arguments (the constants fake tensors make of literals are not). One
+    that requires grad is an :class:`EstimateError` at once: backward would give it a gradient."""
+    found: list[torch.Tensor] = []
+    if mode is None:
+        return found
+    converter = mode.fake_tensor_converter
+    convert = converter.from_real_tensor
+
+    def from_real_tensor(
+        fake_mode: Any, tensor: torch.Tensor, make_constant: bool = False, *a: Any, **k: Any
+    ) -> Any:
+        if not make_constant and converter._get_memo(tensor) is None:
+            if tensor.requires_grad:
+                what = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+                raise EstimateError(
+                    f"fn used a tensor that requires grad and is not among its arguments or the names it "
+                    f"uses ({what}), e.g. a parameter of a model another module holds; pass the model and "
+                    f"optimizer to fn as arguments so that the estimate copies them"
+                )
+            found.append(tensor)
+        return convert(fake_mode, tensor, make_constant, *a, **k)
+
+    converter.from_real_tensor = from_real_tensor
+    return found
+
+
+def _outside_tensors(found: list[torch.Tensor]) -> list[str]:
+    """The caveat for tensors the call reached other than through its arguments: not counted."""
+    if not found:
+        return []
+    nbytes = sum(t.untyped_storage().nbytes() for t in found)
+    return [
+        f"{len(found)} tensor(s) ({format_size(nbytes)}) that fn reached other than through its arguments "
+        f"were used but not counted (pass them as arguments to count them)"
+    ]

@@ -1,0 +1,331 @@
+"""memlab.estimate: data-free runs equal tracked real runs byte for byte, the user's objects untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+import memlab
+from memlab.history import categories
+
+KEYS = ("allocated_bytes.all.peak", "active_bytes.all.peak", "reserved_bytes.all.peak")
+
+
+def cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 3, stride=2, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(64, 10),
+    )
+
+
+class GRUNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(64, 256, batch_first=True)
+        self.head = torch.nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return self.head(out[:, -1])
+
+
+def encoder() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.1, batch_first=True),
+        torch.nn.Flatten(),
+        torch.nn.Linear(128 * 64, 10),
+    )
+
+
+def train_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+MODELS = {
+    "cnn": (cnn, (16, 3, 64, 64)),
+    "gru": (GRUNet, (32, 24, 64)),
+    "transformer": (encoder, (16, 64, 128)),
+}
+
+
+def tracked_run(model, optimizer, x, y):
+    """The same step for real on CPU under a tracker that counts the arguments first, in the order
+    estimate adopts them (modules, optimizers, inputs)."""
+    with memlab.TensorTracker(history=True, model=model, optimizer=optimizer) as tracker:
+        tracker.adopt(roots=[model])
+        tracker.adopt(roots=[optimizer])
+        tracker.adopt(roots=[x, y], category=categories.INPUT)
+        loss = train_step(model, optimizer, x, y)
+        stats = tracker.memory_stats()
+        peak = tracker.by_category(at="peak")
+        end = tracker.by_category(at="now")
+    del loss
+    return stats, peak, end
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_estimate_of_a_training_step_equals_the_tracked_real_run(name):
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    x_before = x.clone()
+
+    estimate = memlab.estimate(train_step, model, optimizer, x, y)
+
+    # the user's objects are untouched: same device, same values, no gradients, no optimizer state
+    assert estimate.method == "fake"
+    assert all(p.grad is None and p.device.type == "cpu" for p in model.parameters())
+    assert not optimizer.state
+    assert all(torch.equal(state[key], value) for key, value in model.state_dict().items())
+    assert torch.equal(x, x_before) and x.grad is None
+
+    stats, peak, end = tracked_run(model, optimizer, x, y)
+    assert {key: estimate.stats[key] for key in KEYS} == {key: stats[key] for key in KEYS}
+    assert estimate.stats["reserved_bytes.all.peak"] > 20 * 2**20  # large-pool segments, not one 2 MiB one
+    assert estimate.by_category("peak") == peak
+    assert estimate.by_category("end") == end
+    assert estimate.stats["allocated_bytes.all.current"] == stats["allocated_bytes.all.current"]
+    assert estimate.caveats == []
+
+
+def test_published_check_two_linear_layers():
+    """PyTorch issue tracker, measured on a GPU: 16,777,728 B after the forward, 20,972,032 B after
+    the backward (two bias-free Linear(1024, 1024), input (4, 256, 1024))."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
+    )
+    x = torch.randn(4, 256, 1024)
+
+    def forward(model, x):
+        return model(x).sum()
+
+    def forward_backward(model, x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728
+    assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == 20_972_032
+
+
+def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
+    )
+    x = torch.randn(4, 256, 1024)
+
+    def forward_backward(model, x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    estimate = memlab.estimate(forward_backward, model, x)
+    weight = 1024 * 1024 * 4  # each weight and each gradient
+    activation = 4 * 256 * 1024 * 4  # the hidden layer's output, saved for the second layer's backward
+    # The peak is in backward after the second weight's gradient and the gradient of the hidden
+    # layer (a temporary) exist, while the hidden activation is still saved.
+    expected = dict.fromkeys(categories.CATEGORIES, 0)
+    expected |= {
+        "parameter": 2 * weight,
+        "input": x.nbytes,
+        "gradient": weight,
+        "activation": activation,
+        "temporary": activation + 512,  # the hidden layer's gradient, and backward's seed (a scalar 1)
+        "unknown": 512,  # the loss, a 4-byte scalar in a 512-byte block
+    }
+    assert estimate.by_category("peak") == expected
+    assert estimate.peak_allocated == sum(expected.values()) == 25_166_848
+    end = estimate.by_category("end")
+    assert (end["gradient"], end["activation"], end["temporary"]) == (2 * weight, 0, 0)
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    extra: dict
+
+
+def test_arguments_in_containers_dataclasses_globals_and_closures_are_copied():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+
+    def uses_closure(batch):
+        out = model(batch.x) + batch.extra["bias"][0]
+        out.sum().backward()
+        return out
+
+    batch = Batch(torch.randn(64, 512), {"bias": [torch.ones(512)]})
+    estimate = memlab.estimate(uses_closure, batch)
+    assert model.weight.grad is None
+    # weight 1 MiB + bias 2 KiB (512 B blocks), x 128 KiB, bias argument 2 KiB, then the run
+    counted = estimate.by_category("end")
+    assert counted["parameter"] == 512 * 512 * 4 + 2048
+    assert counted["input"] == 64 * 512 * 4 + 2048
+    assert counted["gradient"] == 512 * 512 * 4 + 2048
+
+    namespace = {"torch": torch, "model": model}
+    exec("def uses_global(x):\n    loss = model(x).sum()\n    loss.backward()\n    return loss", namespace)
+    estimate = memlab.estimate(namespace["uses_global"], torch.randn(64, 512))
+    assert estimate.by_category("end")["gradient"] == 512 * 512 * 4 + 2048
+    assert model.weight.grad is None and namespace["model"] is model
+
+
+def test_a_module_and_a_bound_method_are_copied_as_the_function():
+    model = torch.nn.Linear(256, 256)
+    x = torch.randn(32, 256)
+    by_module = memlab.estimate(model, x)
+    by_method = memlab.estimate(model.forward, x)
+    assert by_module.peak_allocated == by_method.peak_allocated == 256 * 256 * 4 + 1024 + 2 * 32 * 256 * 4
+    assert by_module.by_category("end")["parameter"] == 256 * 256 * 4 + 1024
+
+
+def test_a_trainable_tensor_reached_through_another_module_is_an_error():
+    other = types.ModuleType("other")
+    exec(
+        "import torch\nmodel = torch.nn.Linear(8, 8)\ndef loss(x):\n    return other_model(x).sum()",
+        vars(other),
+    )
+    other.other_model = other.model
+
+    def step(x):
+        loss = other.loss(x)
+        loss.backward()
+
+    with pytest.raises(memlab.EstimateError) as error:
+        memlab.estimate(step, torch.randn(2, 8))
+    assert str(error.value) == (
+        "fn used a tensor that requires grad and is not among its arguments or the names it uses "
+        "((8, 8) float32), e.g. a parameter of a model another module holds; pass the model and optimizer "
+        "to fn as arguments so that the estimate copies them"
+    )
+    assert other.model.weight.grad is None
+
+
+def test_a_constant_tensor_reached_otherwise_is_a_caveat():
+    other = types.ModuleType("other_constants")
+    exec("import torch\nscale = torch.full((1000,), 2.0)\ndef f(x):\n    return x * scale", vars(other))
+    estimate = memlab.estimate(lambda x: other.f(x), torch.randn(1000))
+    assert estimate.caveats == [
+        "1 tensor(s) (3.91K) that fn reached other than through its arguments were used but not "
+        "counted (pass them as arguments to count them)"
+    ]
+
+
+def value_read(model, x):
+    hidden = model(x)
+    if hidden.mean() > 100:  # reads a value: fake tensors have none
+        hidden = hidden * 2
+    loss = hidden.sum()
+    loss.backward()
+    return loss
+
+
+def boolean_mask(model, x):
+    hidden = model(x)
+    loss = hidden[hidden > 0].sum()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("step", "op", "code"),
+    [
+        (
+            value_read,
+            "a tensor's value read in Python (.item(), bool(), int(), float(), if tensor:)",
+            "if hidden.mean() > 100:  # reads a value: fake tensors have none",
+        ),
+        (
+            boolean_mask,
+            "indexing with a boolean mask",
+            "loss = hidden[hidden > 0].sum()",
+        ),
+    ],
+)
+def test_a_data_dependent_op_runs_on_cpu_copies_and_equals_the_tracked_run(step, op, code):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    x = torch.randn(128, 512)
+    estimate = memlab.estimate(step, model, x)
+    assert estimate.method == "cpu"
+    line = next(n for n, text in enumerate(open(__file__).read().splitlines(), 1) if text.strip() == code)
+    assert estimate.forced_by == f"{op} at {__file__}:{line}: {code}"
+    assert model.weight.grad is None
+    with memlab.TensorTracker() as tracker:
+        tracker.adopt(roots=[model])
+        tracker.adopt(roots=[x])
+        loss = step(model, x)
+        stats = tracker.memory_stats()
+    del loss
+    model.zero_grad(set_to_none=True)
+    assert {key: estimate.stats[key] for key in KEYS} == {key: stats[key] for key in KEYS}
+
+
+def test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see():
+    model = torch.nn.Linear(1024, 1024, bias=False)
+
+    def forward(model, x):
+        return model(x).sum()
+
+    text = repr(memlab.estimate(forward, model, torch.randn(256, 1024)))
+    assert text.splitlines()[:3] == [
+        "memlab estimate of test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see.<locals>."
+        "forward on cpu (fake tensors; CUDA caching allocator modelled)",
+        "peak allocated 6.00M, active 6.00M, reserved 24.00M",
+        "at the end: allocated 5.00M, reserved 24.00M",
+    ]
+    assert "not seen: kernel workspaces (cuBLAS, cuDNN)" in text
+    html = memlab.estimate(forward, model, torch.randn(256, 1024))._repr_html_()
+    assert "<b>6.00M</b>" in html and "<td>parameter</td><td>4.00M</td><td>4.00M</td>" in html
+
+
+def test_fits_compares_peak_reserved_with_a_budget():
+    estimate = memlab.estimate(lambda x: x * 2, torch.randn(1024))
+    assert estimate.peak_reserved == 2 * 2**20
+    assert estimate.fits("2 MiB") and estimate.fits(2 * 2**20)
+    assert not estimate.fits("2 MiB", headroom=1)
+    with pytest.raises(ValueError, match="budget 'lots' is not a size"):
+        estimate.fits("lots")
+
+
+def test_line_profile_gives_the_line_profiler_table_without_allocating():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
+    )
+
+    def forward_backward(model, x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    estimate = memlab.estimate(forward_backward, model, torch.randn(4, 256, 1024))
+    columns = ["allocated_bytes.all.current"]
+    frame = estimate.line_profile(columns=columns).to_dataframe(columns=columns)
+    assert list(frame["allocated_bytes.all.current"]) == [12_582_912, 16_777_728, 20_972_032, 20_972_032]
+    assert frame.attrs["source"].startswith("modelled: CUDA caching allocator replayed from meta tensors")
+    assert model[0].weight.grad is None
+
+
+def test_bad_arguments_are_typed_errors():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        memlab.estimate(3)
+    with pytest.raises(ValueError, match="at must be one of 'peak', 'end'; got 'now'"):
+        memlab.estimate(lambda: torch.ones(1)).by_category("now")
+    with pytest.raises(ValueError, match="device"):
+        memlab.estimate(lambda: torch.ones(1), device="gpu")
