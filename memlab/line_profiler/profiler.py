@@ -222,7 +222,7 @@ class LineProfiler(ByCountProfilerMixin):
     disable = disable_by_count
 
     def __enter__(self) -> LineProfiler:
-        watch = watching(None, (), {})
+        watch = watching()
         watch.__enter__()
         self._oom_watches.append(watch)
         try:

@@ -10,6 +10,7 @@ they were when the request failed; :mod:`memlab.oom.postmortem` turns a capture 
 from __future__ import annotations
 
 import gc
+import inspect
 import itertools
 import os
 import sys
@@ -162,14 +163,29 @@ def _culprits(
         if isinstance(arg, torch.optim.Optimizer):
             reporter.add_optimizer(arg)
     records = reporter.snapshot().select(str(device), verbose=False)
+    anonymous = [(entry[0](), entry[2]) for entry in reporter._anonymous.values()]
     if failing is not None:
-        names = {entry[2] for entry in reporter._anonymous.values() if _holds(entry[0](), failing)}
+        names = {name for tensor, name in anonymous if _holds(tensor, failing)}
         records = [r for r in records if r.name not in names]
+    arguments = _argument_names(call)
+    renamed = {name: arguments[id(tensor)] for tensor, name in anonymous if id(tensor) in arguments}
+    records = [r._replace(name=renamed.get(r.name, r.name)) for r in records]
     records = sorted((r for r in records if r.memory), key=lambda r: -r.memory)
     return [
         Culprit(r.name, r.category, r.memory, r.size_text, r.dtype, r.allocated_at)
         for r in records[:CULPRITS]
     ]
+
+
+def _argument_names(call: Call | None) -> dict[int, str]:
+    """``id(tensor) -> parameter name`` for the tensors passed to the step as arguments."""
+    if call is None:
+        return {}
+    try:
+        bound = inspect.signature(call.func).bind(*call.args, **call.kwargs)
+    except (TypeError, ValueError):  # no signature, or arguments that do not bind
+        return {}
+    return {id(value): name for name, value in bound.arguments.items() if isinstance(value, torch.Tensor)}
 
 
 def _holds(tensor: torch.Tensor | None, storage: torch.UntypedStorage) -> bool:

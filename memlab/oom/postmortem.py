@@ -194,7 +194,17 @@ def _place(stack: tuple[tuple[str, int, str], ...]) -> Place | None:
 def _remedies(capture: OOMCapture, notes: list[str]) -> Iterator[Remedy]:
     from memlab.oom.step import STEP_REMEDIES
 
-    for remedy in (*ALLOCATOR_REMEDIES, *STEP_REMEDIES):
+    remedies: tuple[Callable[[OOMCapture], Remedy | None], ...] = ALLOCATOR_REMEDIES
+    if capture.held:
+        # An estimate starts from the step's arguments: memory held elsewhere would be missing from
+        # its "fits", and the rerun would add fake tensors to whatever holds them.
+        notes.append(
+            "step remedies left out: tensors held across calls are outside the step's arguments, "
+            "where estimates cannot see them; free them first"
+        )
+    else:
+        remedies += STEP_REMEDIES
+    for remedy in remedies:
         try:
             found = remedy(capture)
         except Exception as error:  # a remedy that cannot be computed is left out, with a note

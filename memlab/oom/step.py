@@ -127,9 +127,11 @@ def _autocast_remedy(capture: OOMCapture, dtype: torch.dtype, kind: str) -> Reme
     if capture.call is None or capture.capacity <= 0 or device_type not in ("cpu", "cuda"):
         return None
     peak = _estimate_step(capture, torch.autocast(device_type, dtype=dtype))
-    name = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
-    return Remedy(kind, f'torch.autocast("{device_type}", torch.{str(dtype).removeprefix("torch.")}) ({name})',
-                  peak, capture.capacity)  # fmt: skip
+    dtype_name = str(dtype).removeprefix("torch.")
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
+    return Remedy(
+        kind, f'torch.autocast("{device_type}", torch.{dtype_name}) ({short})', peak, capture.capacity
+    )
 
 
 def bf16_autocast_remedy(capture: OOMCapture) -> Remedy | None:

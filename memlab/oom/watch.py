@@ -240,17 +240,19 @@ def _take(error: BaseException, entry: _Entry) -> OOMCapture | None:
     return None
 
 
-def watching(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _CallWatch:
-    """A watch of one call of ``func`` with ``args``/``kwargs``, for memlab's own wrappers (the
-    line profiler's): ``with watching(func, args, kwargs): func(*args, **kwargs)``."""
-    return _CallWatch(Call(func, args, kwargs, now_us()))
+def watching(
+    func: Any = None, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+) -> _CallWatch:
+    """A watch of one call of ``func`` with ``args``/``kwargs`` (``func=None``: of a block), for
+    memlab's own wrappers: ``with watching(func, args, kwargs): func(*args, **kwargs)``."""
+    return _CallWatch(None if func is None else Call(func, args, kwargs or {}, now_us()))
 
 
 class _CallWatch:
     __slots__ = ("_call", "_entry")
     _watch: OOMWatch | None = None
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: Call | None) -> None:
         self._call = call
 
     def __enter__(self) -> None:

@@ -168,4 +168,11 @@ def test_tensors_held_across_calls_are_a_remedy_with_the_bytes_it_frees():
     # released when the sixth call began, its outputs take their place: the segments of before
     assert remedy.peak_reserved == report.reserved
     assert remedy.fits
+    # the step is not estimated again (its estimates would not see the held tensors)
+    assert [r.kind for r in report.remedies] == ["expandable_segments", "max_split_size_mb", "free_held"]
+    assert report.notes == (
+        "step remedies left out: tensors held across calls are outside the step's arguments, where "
+        "estimates cannot see them; free them first",
+    )
+    assert all(type(t) is torch.Tensor for t in kept)
     kept.clear()
