@@ -10,7 +10,6 @@ they were when the request failed; :mod:`memlab.oom.postmortem` turns a capture 
 from __future__ import annotations
 
 import gc
-import inspect
 import itertools
 import os
 import sys
@@ -151,7 +150,8 @@ def _culprits(
     failing: torch.UntypedStorage | None = None,
 ) -> list[Culprit]:
     """The largest live tensors on ``device`` as :class:`memlab.MemReporter` names them (a model
-    and optimizers among the call's arguments name parameters, gradients and optimizer state),
+    and optimizers among the call's arguments name parameters, gradients and optimizer state;
+    other tensors that a local variable of a frame on the stack holds get the variable's name),
     leaving out the tensors of the ``failing`` storage (a tracked op's output exists on the
     tracker's real device when its modelled allocation fails)."""
     from memlab.reporter import MemReporter
@@ -167,8 +167,8 @@ def _culprits(
     if failing is not None:
         names = {name for tensor, name in anonymous if _holds(tensor, failing)}
         records = [r for r in records if r.name not in names]
-    arguments = _argument_names(call)
-    renamed = {name: arguments[id(tensor)] for tensor, name in anonymous if id(tensor) in arguments}
+    local = _local_names()
+    renamed = {name: local[id(tensor)] for tensor, name in anonymous if id(tensor) in local}
     records = [r._replace(name=renamed.get(r.name, r.name)) for r in records]
     records = sorted((r for r in records if r.memory), key=lambda r: -r.memory)
     return [
@@ -177,15 +177,18 @@ def _culprits(
     ]
 
 
-def _argument_names(call: Call | None) -> dict[int, str]:
-    """``id(tensor) -> parameter name`` for the tensors passed to the step as arguments."""
-    if call is None:
-        return {}
-    try:
-        bound = inspect.signature(call.func).bind(*call.args, **call.kwargs)
-    except (TypeError, ValueError):  # no signature, or arguments that do not bind
-        return {}
-    return {id(value): name for name, value in bound.arguments.items() if isinstance(value, torch.Tensor)}
+def _local_names() -> dict[int, str]:
+    """``id(tensor) -> variable name`` for the tensors held by local variables (arguments
+    included) of the frames on the stack outside torch and memlab, the innermost frame first."""
+    names: dict[int, str] = {}
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if not is_own_file(frame.f_code.co_filename):
+            for name, value in frame.f_locals.items():
+                if isinstance(value, torch.Tensor) and id(value) not in names:
+                    names[id(value)] = name
+        frame = frame.f_back
+    return names
 
 
 def _holds(tensor: torch.Tensor | None, storage: torch.UntypedStorage) -> bool:

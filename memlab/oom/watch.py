@@ -13,6 +13,7 @@ import functools
 import inspect
 import itertools
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -161,7 +162,7 @@ class OOMWatch:
         _entries.remove(entry)
         try:
             if isinstance(exc, torch.OutOfMemoryError) and id(exc) not in _reported:
-                self._explain(_take(exc, entry), exc, caught=False)
+                self._explain(_take(exc, entry) or _cuda_after(exc, entry.call), exc, caught=False)
                 _reported.add(id(exc))
             for capture in [c for c in _pending if c.sequence > entry.sequence]:
                 _pending.remove(capture)
@@ -238,6 +239,26 @@ def _take(error: BaseException, entry: _Entry) -> OOMCapture | None:
             _pending.remove(capture)
             return capture
     return None
+
+
+def _cuda_after(error: BaseException, call: Call | None) -> OOMCapture | None:
+    """A capture of a GPU error the observer missed (CUDA was initialized after the watch began),
+    read as the error leaves the block: ``None`` unless it names a CUDA device this process uses."""
+    message = str(error)
+    if not message.startswith("CUDA out of memory") or not torch.cuda.is_initialized():
+        return None
+    match = re.search(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB)\. GPU (\d+)", message)
+    if match is None:
+        return None
+    size = int(float(match.group(1)) * _CUDA_UNITS[match.group(2)])
+    device = int(match.group(3))
+    free, _total = torch.cuda.mem_get_info(device)
+    capture = capture_cuda_oom(device, size, torch.cuda.memory_allocated(device), free, call)
+    capture.note = "state read as the error left the watched block (CUDA was initialized inside it)"
+    return capture
+
+
+_CUDA_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 def watching(
