@@ -51,17 +51,26 @@ def is_own_file(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_OWN_DIRS)
 
 
-@dataclass(frozen=True)
 class Call:
     """One call of a watched step (a profiled function, or a function given to ``explain_oom``):
     the function, its arguments, and when it started (microseconds since the epoch, the clock of
-    the history's trace entries)."""
+    the history's trace entries). A plain class: one is made per watched call."""
 
-    func: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    started_us: int
-    batch_dim: int | None = None
+    __slots__ = ("args", "batch_dim", "func", "kwargs", "started_us")
+
+    def __init__(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        started_us: int,
+        batch_dim: int | None = None,
+    ) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.started_us = started_us
+        self.batch_dim = batch_dim
 
     @property
     def code(self) -> CodeType | None:

@@ -236,11 +236,7 @@ def build_report(
     stats = capture.stats
     reserved = stats.get("reserved_bytes.all.current", 0)
     allocated = stats.get("allocated_bytes.all.current", 0)
-    source = (
-        "measured (torch.cuda)"
-        if capture.source == "cuda"
-        else "modelled: CUDA caching allocator (memlab.TensorTracker)"
-    )
+    source = "measured (torch.cuda)" if capture.source == "cuda" else "modelled CUDA caching allocator"
     return OOMReport(
         error_type=error_type,
         message=message,

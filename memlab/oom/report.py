@@ -7,6 +7,7 @@ capture, and ``text()`` / ``to_dict()`` read the same fields.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,21 @@ class Place:
     code: str
 
     def __str__(self) -> str:
-        return f"{self.filename}:{self.line}"
+        return f"{shown_path(self.filename)}:{self.line}"
+
+
+def shown_path(path: str) -> str:
+    """``path`` as the report prints it: relative to the current directory when it lies inside it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if relative.startswith(os.pardir) else relative
+
+
+def _shown_place(place: str) -> str:
+    path, _, line = place.rpartition(":")
+    return f"{shown_path(path)}:{line}" if path else place
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,8 @@ class OOMReport:
         return self.text()
 
     def text(self) -> str:
-        """The report as it is printed: a screen of text, sizes 1024-based (``40.00K``)."""
+        """The report as it is printed: a screen of text, sizes 1024-based (``40.00K``), files
+        inside the current directory relative to it (``to_dict`` keeps them whole)."""
         where = "" if self.place is None else f" at {self.place} in {self.place.function}"
         caught = " (caught before it left the watched block)" if self.caught else ""
         lines = [f"memlab: out of memory ({self.error_type}){where}{caught}"]
@@ -132,7 +148,7 @@ class OOMReport:
             lines.append("largest live tensors:")
             for c in self.culprits:
                 name = c.name if len(c.name) <= _NAME_WIDTH else c.name[: _NAME_WIDTH - 1] + "…"
-                place = f"  {c.allocated_at}" if c.allocated_at else ""
+                place = f"  {_shown_place(c.allocated_at)}" if c.allocated_at else ""
                 lines.append(f"  {name:<{_NAME_WIDTH}} {c.category:<15} {format_size(c.size):>9}{place}")
         if self.remedies:
             lines.append(

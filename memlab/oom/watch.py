@@ -103,7 +103,7 @@ def _observe() -> None:
 
         OOM_OBSERVERS.append(_on_tracker_oom)
         _observing["tracker"] = True
-    if not _observing["cuda"] and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if not _observing["cuda"] and torch.cuda.is_initialized():
         torch._C._cuda_attach_out_of_memory_observer(_on_cuda_oom)
         _observing["cuda"] = True
 
@@ -160,6 +160,8 @@ class OOMWatch:
 
     def _exit(self, entry: _Entry, exc: BaseException | None) -> None:
         _entries.remove(entry)
+        if exc is None and not _pending and not _reported:
+            return  # the path without an error: nothing to explain, nothing to forget
         try:
             if isinstance(exc, torch.OutOfMemoryError) and id(exc) not in _reported:
                 self._explain(_take(exc, entry) or _cuda_after(exc, entry.call), exc, caught=False)

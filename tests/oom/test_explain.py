@@ -14,9 +14,11 @@ import torch
 
 import memlab
 from memlab.oom import watch as watch_module
+from memlab.oom.report import shown_path
 from memlab.sources.allocator import CachingAllocatorModel
 
 MIB = 1 << 20
+HERE = shown_path(__file__)  # as reports print it: relative to the current directory
 
 
 def _floats(mib: float) -> int:
@@ -51,7 +53,7 @@ def test_profiled_function_reports_the_failing_line_and_largest_tensor(capsys):
     assert err == report.text() + "\n"
     lines = err.splitlines()
     failing = step.__code__.co_firstlineno + 2
-    assert lines[0] == f"memlab: out of memory (OutOfMemoryError) at {__file__}:{failing} in step"
+    assert lines[0] == f"memlab: out of memory (OutOfMemoryError) at {HERE}:{failing} in step"
     assert lines[1] == f"  {failing:>5} | grown = torch.empty(_floats(48))  # the failing line"
     assert report.requested == 48 * MIB
     assert report.capacity == 40 * MIB
@@ -60,7 +62,7 @@ def test_profiled_function_reports_the_failing_line_and_largest_tensor(capsys):
     assert (largest.name, largest.category, largest.size) == ("weight", "parameter", 8 * MIB)
     made = test_profiled_function_reports_the_failing_line_and_largest_tensor.__code__.co_firstlineno + 4
     assert largest.allocated_at == f"{__file__}:{made}"
-    assert f"  {'weight':<32} {'parameter':<15} {'8.00M':>9}  {__file__}:{made}" in lines
+    assert f"  {'weight':<32} {'parameter':<15} {'8.00M':>9}  {HERE}:{made}" in lines
     # the caller gets PyTorch's own error, raised at the failing line
     error = raised.value
     assert type(error) is torch.OutOfMemoryError
@@ -94,7 +96,7 @@ def test_an_oom_swallowed_inside_the_block_is_still_reported(capsys):
     (report,) = watch.reports
     assert report.caught
     assert report.requested == 16 * MIB
-    assert stream.getvalue().startswith(f"memlab: out of memory (OutOfMemoryError) at {__file__}:")
+    assert stream.getvalue().startswith(f"memlab: out of memory (OutOfMemoryError) at {HERE}:")
     assert "(caught before it left the watched block)" in stream.getvalue().splitlines()[0]
     assert capsys.readouterr().err == ""
 
@@ -140,7 +142,7 @@ def test_an_oom_raised_outside_any_tracker_is_reported_from_its_traceback():
         raise torch.OutOfMemoryError("made up")
     line = test_an_oom_raised_outside_any_tracker_is_reported_from_its_traceback.__code__.co_firstlineno + 3
     assert stream.getvalue().splitlines() == [
-        f"memlab: out of memory (OutOfMemoryError) at {__file__}:{line} in "
+        f"memlab: out of memory (OutOfMemoryError) at {HERE}:{line} in "
         "test_an_oom_raised_outside_any_tracker_is_reported_from_its_traceback",
         f'  {line:>5} | raise torch.OutOfMemoryError("made up")',
         "  made up",
@@ -166,7 +168,7 @@ def test_a_line_profiler_session_explains_an_oom(capsys):
     with memlab.TensorTracker(capacity="40 MiB"), pytest.raises(torch.OutOfMemoryError), lp:
         step(torch.nn.Linear(8, 8), torch.ones(2, 8))
     assert capsys.readouterr().err.startswith(
-        f"memlab: out of memory (OutOfMemoryError) at {__file__}:{step.__code__.co_firstlineno + 2} in step\n"
+        f"memlab: out of memory (OutOfMemoryError) at {HERE}:{step.__code__.co_firstlineno + 2} in step\n"
     )
 
 
