@@ -134,6 +134,7 @@ class OOMCapture:
     held: list[HeldBlock] = field(default_factory=list)
     snapshot: dict[str, Any] | None = None
     trace_complete: bool = False
+    trace_checked: bool | None = None  # whether a replay of the trace ends where the allocator was
     call: Call | None = None
     note: str | None = None
     sequence: int = field(default_factory=lambda: next(_sequence))
@@ -340,7 +341,7 @@ def capture_cuda_oom(
         largest_free_block=_largest_free_block(segments),
         config=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
         snapshot=snapshot,
-        trace_complete=bool(traces and device < len(traces) and traces[device]),
+        trace_complete=bool(traces and device < len(traces) and traces[device]),  # checked by a replay
         call=call,
     )
     capture.culprits = _culprits(torch.device("cuda", device), call, None, None)

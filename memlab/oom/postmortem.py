@@ -102,7 +102,22 @@ def _with_option(config: str, option: str) -> str:
 
 
 def _replayable(capture: OOMCapture) -> bool:
-    return capture.snapshot is not None and capture.trace_complete and capture.capacity > 0
+    """Whether the capture's trace can be replayed: it holds every event since the allocator began
+    (a ring buffer that dropped entries, or PyTorch's history switched on late, would replay a
+    different run), checked by replaying it as it was: the allocated bytes must come out equal."""
+    if capture.snapshot is None or not capture.trace_complete or capture.capacity <= 0:
+        return False
+    if capture.trace_checked is None:
+        model = CachingAllocatorModel(config=capture.config)
+        handles: dict[int, int] = {}
+        for action, addr, size, _ in trace_events(capture.snapshot):
+            if action == "alloc":
+                handles[addr] = model.malloc(size)
+            elif addr in handles:
+                model.free(handles.pop(addr))
+        allocated = model.memory_stats()["allocated_bytes.all.current"]
+        capture.trace_checked = allocated == capture.stats.get("allocated_bytes.all.current")
+    return capture.trace_checked
 
 
 def expandable_segments_remedy(capture: OOMCapture) -> Remedy | None:
@@ -227,9 +242,10 @@ def build_report(
     ``remedies=False`` leaves out the remedies (no replay, no estimate)."""
     message = str(error) if error is not None else capture.message if capture is not None else ""
     error_type = type(error).__name__ if error is not None else "OutOfMemoryError"
-    if capture is None:
+    if capture is None or capture.device == "?":  # nothing captured, or the capture itself failed
         stack = traceback_stack(error) if error is not None else ()
-        return OOMReport(error_type, message, _place(stack), caught=caught)
+        notes = () if capture is None or capture.note is None else (capture.note,)
+        return OOMReport(error_type, message, _place(stack), caught=caught, notes=notes)
     stack = capture.stack or (traceback_stack(error) if error is not None else ())
     notes: list[str] = [] if capture.note is None else [capture.note]
     found = tuple(_remedies(capture, notes)) if remedies else ()

@@ -142,6 +142,7 @@ class OOMReport:
         if self.requested is None:
             lines.append(f"  {self.message.splitlines()[0] if self.message else ''}"[:200])
             lines.append("  (no allocator state was captured for this error)")
+            lines += [f"  {note}" for note in self.notes]
         else:
             lines += self._state_lines()
         if self.culprits:

@@ -177,3 +177,29 @@ def test_explain_oom_checks_its_arguments():
         memlab.explain_oom(batch_dim="0")
     with pytest.raises(TypeError, match="explain_oom takes a function to watch"):
         memlab.explain_oom(3)
+
+
+def test_a_capture_that_fails_leaves_the_users_error_alone(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no luck")
+
+    monkeypatch.setattr(watch_module, "capture_tracker_oom", broken)
+    stream = io.StringIO()
+    with memlab.explain_oom(stream=stream), memlab.TensorTracker(capacity="10 MiB"):
+        with pytest.raises(
+            torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 16\.00 MiB"
+        ):
+            torch.empty(_floats(16))
+    assert stream.getvalue().splitlines()[-2:] == [
+        "  (no allocator state was captured for this error)",
+        "  memlab could not capture the allocator state: RuntimeError: no luck",
+    ]
+
+
+def test_explain_oom_with_arguments_decorates_too():
+    @memlab.explain_oom(batch_dim=1, stream=io.StringIO())
+    def double(x):
+        return x * 2
+
+    assert double(torch.ones(2, 3)).tolist() == [[2.0] * 3] * 2
+    assert double.__name__ == "double"

@@ -176,3 +176,26 @@ def test_tensors_held_across_calls_are_a_remedy_with_the_bytes_it_frees():
     )
     assert all(type(t) is torch.Tensor for t in kept)
     kept.clear()
+
+
+def test_a_ring_buffer_that_dropped_entries_is_not_replayed():
+    with memlab.explain_oom(stream=io.StringIO()) as watch:
+        with memlab.TensorTracker(capacity="80 MiB", history=5):
+            blocks = [torch.empty(3 * MIB // 4) for _ in range(20)]
+            del blocks[:10]
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.empty(24 * MIB // 4)
+    assert watch.report.verdict == "fragmentation"
+    assert watch.report.remedies == ()
+
+
+def test_a_trace_that_does_not_end_where_the_allocator_was_is_not_replayed():
+    from memlab.oom.postmortem import expandable_segments_remedy
+
+    snapshot = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 3 * MIB, "time_us": 1}]]}
+    capture = _capture(80 * MIB, 30 * MIB, 24 * MIB)
+    capture.snapshot, capture.trace_complete = snapshot, True
+    assert expandable_segments_remedy(capture) is None  # the trace accounts for 3 MiB of the 30 MiB
+    capture.stats["allocated_bytes.all.current"] = 3 * MIB
+    capture.trace_checked = None
+    assert expandable_segments_remedy(capture).peak_reserved == 40 * MIB  # 3 MiB, then 24 MiB: two pages
