@@ -194,8 +194,15 @@ class OOMWatch:
 
             path = _snapshot_path(self.snapshot_dir)
             write_snapshot(capture.snapshot, path)
-        with _disable_current_modes():  # replays and estimates must not be counted by the user's tracker
-            report = build_report(capture, error, caught=caught, snapshot_path=path, remedies=self.remedies)
+        trace = sys.gettrace()
+        sys.settrace(None)  # nor traced by a line profiler that is on around the watch
+        try:
+            with _disable_current_modes():  # replays and estimates must not be counted by the user's tracker
+                report = build_report(
+                    capture, error, caught=caught, snapshot_path=path, remedies=self.remedies
+                )
+        finally:
+            sys.settrace(trace)
         self.reports.append(report)
         _last[:] = [report]
         stream = self.stream if self.stream is not None else sys.stderr
@@ -207,7 +214,8 @@ class OOMWatch:
         return self.wrap(func)  # type: ignore[return-value]
 
     def wrap(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        """``func`` watched call by call (generator and coroutine functions as a whole block)."""
+        """``func`` watched call by call; a generator or coroutine function is a ``TypeError`` (watch
+        the code that runs it with ``with explain_oom():``)."""
         if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
             raise TypeError(
                 f"explain_oom watches plain functions; for {func.__qualname__} (a generator or coroutine "
