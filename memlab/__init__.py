@@ -1,35 +1,96 @@
 """memlab: where does my PyTorch memory go, line by line, and will it fit?
 
 Importing memlab has no side effects: it does not initialise CUDA, install a trace function or print.
+The public names load their modules (and torch) on first use, so that ``import memlab`` and the
+pytest plugin (``memlab.pytest_plugin``, loaded by every pytest run where memlab is installed) cost
+nothing until something is used.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from memlab.courtesy import Courtesy
-from memlab.estimate import Estimate, EstimateError, autobatch, estimate, max_batch_size
-from memlab.history.export import dump_snapshot
-from memlab.line_profiler import (
-    DEFAULT_COLUMNS,
-    LineProfiler,
-    clear_global_line_profiler,
-    profile,
-    profile_every,
-    set_target_gpu,
-)
-from memlab.oom import explain_oom
-from memlab.reporter import MemReporter
-from memlab.sources.allocator import CachingAllocatorModel
-from memlab.sources.stats import STAT_KEYS
-from memlab.sources.tracker import TensorTracker
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import os
 
     from matplotlib.figure import Figure
 
+    from memlab.courtesy import Courtesy
+    from memlab.estimate import Estimate, EstimateError, autobatch, max_batch_size
+    from memlab.history.export import dump_snapshot
+    from memlab.line_profiler import (
+        DEFAULT_COLUMNS,
+        LineProfiler,
+        clear_global_line_profiler,
+        profile,
+        profile_every,
+        set_target_gpu,
+    )
+    from memlab.oom import explain_oom
+    from memlab.reporter import MemReporter
+    from memlab.sources.allocator import CachingAllocatorModel
+    from memlab.sources.stats import STAT_KEYS
+    from memlab.sources.tracker import TensorTracker
+
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it, imported at the first access (PEP 562).
+_LAZY = {
+    "Courtesy": "memlab.courtesy",
+    "Estimate": "memlab.estimate.estimate",
+    "EstimateError": "memlab.estimate.estimate",
+    "max_batch_size": "memlab.estimate.fit",
+    "autobatch": "memlab.estimate.microbatch",
+    "dump_snapshot": "memlab.history.export",
+    "DEFAULT_COLUMNS": "memlab.line_profiler",
+    "LineProfiler": "memlab.line_profiler",
+    "clear_global_line_profiler": "memlab.line_profiler",
+    "profile": "memlab.line_profiler",
+    "profile_every": "memlab.line_profiler",
+    "set_target_gpu": "memlab.line_profiler",
+    "explain_oom": "memlab.oom",
+    "MemReporter": "memlab.reporter",
+    "CachingAllocatorModel": "memlab.sources.allocator",
+    "STAT_KEYS": "memlab.sources.stats",
+    "TensorTracker": "memlab.sources.tracker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memlab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, "estimate"})
+
+
+class _Package(types.ModuleType):
+    """memlab's module type, for one name: ``memlab.estimate`` is the function, while
+    ``memlab/estimate/`` is also the subpackage that defines it. Importing the subpackage (``from
+    memlab.estimate import max_batch_size``) makes Python set the package's attribute to the
+    subpackage; the property keeps the function (the subpackage stays in ``sys.modules``)."""
+
+    @property
+    def estimate(self) -> Any:
+        """:func:`memlab.estimate.estimate.estimate`, imported at the first use."""
+        from memlab.estimate.estimate import estimate
+
+        return estimate
+
+    @estimate.setter
+    def estimate(self, value: Any) -> None:
+        pass  # the import system recording the subpackage: the name stays the function
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def plot_memory(

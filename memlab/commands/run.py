@@ -35,6 +35,7 @@ from memlab._devices import cuda_device_exists, parse_device, with_index
 from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
+from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
 from memlab.history.recording import snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
 from memlab.oom import explain_oom
@@ -113,6 +114,7 @@ def profile_program(
     output: str | None = None,
     snapshot: str | None = None,
     plot: str | None = None,
+    gather: bool = False,
 ) -> int:
     """Run ``program`` with ``@memlab.profile`` functions and ``functions`` profiled, print their
     table to stdout (also when the program raises or exits) and return the program's exit status.
@@ -130,9 +132,22 @@ def profile_program(
     appears is a :class:`CommandError` after the run.
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
+
+    Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) each rank writes its own files, the rank
+    in their names (``out.rank1.json``), and measures ``cuda:LOCAL_RANK`` by default where there
+    are GPUs; with ``gather``, rank 0 also prints the table merged across ranks
+    (:func:`memlab.distributed.gather`) and writes it to ``output`` itself.
     """
     _output_format(output)
     _check_paths(snapshot, plot)
+    ranks = rank_environment()
+    if gather and ranks is None:
+        raise CommandError("--gather merges the ranks of a torchrun job, but RANK and WORLD_SIZE are not set")
+    merged_output = output
+    if ranks is not None:
+        output, snapshot, plot = ranks.path(output), ranks.path(snapshot), ranks.path(plot)
+        if target is None and torch.cuda.is_available():
+            target = ranks.local_rank
     profiler = global_line_profiler()
     previous_target = profiler.target_gpu
     try:
@@ -165,7 +180,16 @@ def profile_program(
         for function in shown:
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
     if shown:
+        if ranks is not None:
+            print(f"memlab run: rank {ranks.rank} of {ranks.world_size}", flush=True)
         _print_and_write(profiler, shown, columns, output)
+    if gather:
+        merged = gather_ranks(profiler, shown, status)
+        if merged is not None:
+            sys.stdout.write(merged.render())
+            sys.stdout.flush()
+            if merged_output is not None:
+                write_merged(merged, merged_output)
     try:
         watch.check()
     except ValueError as error:
@@ -183,14 +207,14 @@ def profile_program(
 
 class RunCommand:
     """``memlab run [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE]
-    [--plot FILE] script.py [args...]``."""
+    [--plot FILE] [--gather] script.py [args...]``."""
 
     help = "run a script (or -m module) and print the memory of its profiled functions, line by line"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.usage = (
             "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE] [--plot FILE] "
-            "(script.py | -m module) [args...]"
+            "[--gather] (script.py | -m module) [args...]"
         )
         parser.description = (
             "Run a Python script as __main__ with its own arguments, like kernprof, and print the "
@@ -214,6 +238,12 @@ class RunCommand:
         parser.add_argument("-o", "--output", **OUTPUT_OPTION)
         parser.add_argument("--snapshot", **SNAPSHOT_OPTION)
         parser.add_argument("--plot", **PLOT_OPTION)
+        parser.add_argument(
+            "--gather",
+            action="store_true",
+            help="under torchrun: also print on rank 0 the table merged across ranks (each rank's values, "
+            "max, min, skew) and write it to -o FILE; each rank's own files get .rankN in their names",
+        )
         parser.add_argument(
             "-m", dest="as_module", action="store_true", help="run a module, like python -m (the last option)"
         )
@@ -242,4 +272,6 @@ class RunCommand:
             target = None if args.gpu is None else check_target(args.gpu, name="-g")
         except ValueError as error:
             raise CommandError(str(error)) from None
-        return profile_program(program, args.function, columns, target, args.output, args.snapshot, args.plot)
+        return profile_program(
+            program, args.function, columns, target, args.output, args.snapshot, args.plot, args.gather
+        )

@@ -123,16 +123,31 @@ class Copier:
         self._remember(obj, new)
         return new
 
+    def _owner(self, owner: Any) -> Any:
+        """The copy of a bound method's owner: a module or optimizer is copied; another object is
+        copied shallowly, its attributes that hold tensors, modules or optimizers replaced by
+        copies (``self.model`` in a trainer's ``loss`` method)."""
+        new = self(owner)
+        if new is not owner or not isinstance(getattr(owner, "__dict__", None), dict):
+            return new
+        changes = {k: self(v) for k, v in vars(owner).items() if isinstance(v, _COPIED)}
+        if not changes:
+            return owner
+        new = copy.copy(owner)
+        vars(new).update(changes)
+        self._remember(owner, new)
+        return new
+
     # -- functions ------------------------------------------------------------------------------
     def function(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` rebound to copies: a module is copied and called; a bound method of a module or
-        an optimizer is bound to its copy; a ``functools.partial`` gets copied arguments; a plain
+        """``fn`` rebound to copies: a module is copied and called; a bound method is bound to a
+        copy of its owner (see :meth:`_owner`); a ``functools.partial`` gets copied arguments; a plain
         function is rebuilt with the modules, optimizers and tensors it names (as globals or
         closure variables, also through the functions of its module it names) replaced by copies."""
         if isinstance(fn, _COPIED):
             return self(fn)
         if isinstance(fn, types.MethodType):
-            owner = self(fn.__self__)
+            owner = self._owner(fn.__self__)
             func = self.function(fn.__func__)
             return (
                 types.MethodType(func, owner) if owner is not fn.__self__ or func is not fn.__func__ else fn
@@ -233,7 +248,9 @@ def named_objects(fn: Callable[..., Any]) -> list[Any]:
     if isinstance(fn, _COPIED):
         return [fn]
     if isinstance(fn, types.MethodType):
-        return [fn.__self__, *named_objects(fn.__func__)]
+        owner = fn.__self__
+        held = list(vars(owner).values()) if isinstance(getattr(owner, "__dict__", None), dict) else []
+        return [owner, *held, *named_objects(fn.__func__)]
     if isinstance(fn, functools.partial):
         return [*named_objects(fn.func), *fn.args, *fn.keywords.values()]
     found: list[Any] = []

@@ -210,11 +210,17 @@ class Estimate:
             f"{'category':<16}{'at peak':>10}{'at end':>10}",
         ]
         lines += [f"{name:<16}{peak:>10}{end:>10}" for name, peak, end in self._rows()]
+        return "\n".join(lines + self._notes())
+
+    def _notes(self) -> list[str]:
+        notes = []
+        if self.substituted:
+            done = ", ".join(f"{name} x{count}" for name, count in self.substituted.items())
+            notes.append(f"CUDA's kernels substituted: {done}")
         if self.forced_by:
-            lines.append(f"ran on CPU copies because fake tensors cannot run {self.forced_by}")
-        lines += [f"caveat: {caveat}" for caveat in self.caveats]
-        lines.append(f"not seen: {CANNOT_SEE}")
-        return "\n".join(lines)
+            notes.append(f"ran on CPU copies because fake tensors cannot run {self.forced_by}")
+        notes += [f"caveat: {caveat}" for caveat in self.caveats]
+        return [*notes, f"not seen: {CANNOT_SEE}"]
 
     def _repr_html_(self) -> str:
         import html
@@ -222,16 +228,12 @@ class Estimate:
         rows = "".join(
             f"<tr><td>{name}</td><td>{peak}</td><td>{end}</td></tr>" for name, peak, end in self._rows()
         )
-        notes = (
-            [f"ran on CPU copies because fake tensors cannot run {self.forced_by}"] if self.forced_by else []
-        )
-        notes += [f"caveat: {caveat}" for caveat in self.caveats] + [f"not seen: {CANNOT_SEE}"]
         return (
             f"<p>{html.escape(self._header())}</p>"
             f"<p>peak allocated <b>{format_size(self.peak_allocated)}</b>, active "
             f"<b>{format_size(self.peak_active)}</b>, reserved <b>{format_size(self.peak_reserved)}</b></p>"
             f"<table><tr><th>category</th><th>at peak</th><th>at end</th></tr>{rows}</table>"
-            + "".join(f"<p>{html.escape(note)}</p>" for note in notes)
+            + "".join(f"<p>{html.escape(note)}</p>" for note in self._notes())
         )
 
 
@@ -311,6 +313,7 @@ def run_estimate(
     tracker = _Tracker(history=True)
     kernels = _kernels(device, data_free=method != "cpu")
     caveats: list[str] = []
+    optimizer_defaults = 0  # optimizers given CUDA's foreach default
     with _disable_current_modes(), mode or contextlib.nullcontext():
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
@@ -325,7 +328,8 @@ def run_estimate(
             if kernels is not None:
                 from memlab.estimate.kernels import cuda_optimizer_defaults
 
-                cuda_optimizer_defaults(optimizer)
+                if cuda_optimizer_defaults(optimizer):
+                    optimizer_defaults += 1
         try:
             with tracker, kernels or contextlib.nullcontext():
                 tracker.adopt(roots=copier.modules)
@@ -347,7 +351,7 @@ def run_estimate(
                     tracker=tracker,
                     stats_device=stats_device,
                     caveats=caveats,
-                    substituted=dict(kernels.substituted) if kernels is not None else {},
+                    substituted=_substituted(kernels, optimizer_defaults),
                     forced_by=None,
                     rerun=rerun,
                     function=fn,
@@ -359,7 +363,7 @@ def run_estimate(
         if tracker.forced_by is None:
             caveats += _outside_tensors(outside)
             if kernels is not None:
-                caveats += kernels.caveats
+                caveats += kernels.caveats + _host_step_counters(copier.optimizers)
     if tracker.forced_by is not None:  # the run read values fake tensors do not have
         if method == "cpu":
             raise AssertionError("a real CPU run cannot need values")  # pragma: no cover
@@ -375,6 +379,31 @@ def run_estimate(
         cpu.forced_by = tracker.forced_by
         return cpu
     return built
+
+
+def _host_step_counters(optimizers: list[torch.optim.Optimizer]) -> list[str]:
+    """The caveat for optimizer ``step`` counters, which a non-capturable, non-fused optimizer keeps
+    in host memory on a GPU (``torch/optim/adam.py``: ``torch.tensor(0.0)`` without a device) while
+    a run on CPU tensors counts them with the rest."""
+    counters = sum(
+        1
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        if isinstance(state.get("step"), torch.Tensor) and state["step"].dim() == 0
+    )
+    if not counters:
+        return []
+    return [
+        f"{counters} optimizer step counter(s) are counted here ({format_size(counters * 512)} in 512-byte "
+        f"blocks); a non-capturable, non-fused optimizer keeps them in host memory on a GPU"
+    ]
+
+
+def _substituted(kernels: Any, optimizer_defaults: int) -> dict[str, int]:
+    found = dict(kernels.substituted) if kernels is not None else {}
+    if optimizer_defaults:
+        found["optimizer_foreach"] = optimizer_defaults
+    return found
 
 
 def _kernels(device: torch.device, data_free: bool) -> Any:

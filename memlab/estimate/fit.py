@@ -17,7 +17,7 @@ from memlab._devices import parse_device
 from memlab._units import format_size, parse_size
 from memlab.estimate.estimate import Estimate, run_estimate
 
-__all__ = ["BatchFit", "default_budget", "max_batch_size"]
+__all__ = ["BatchFit", "default_budget", "max_batch_size", "search"]
 
 
 @dataclass(frozen=True)
@@ -134,13 +134,21 @@ def max_batch_size(
             size, found.get(size), None if next_size is None else found[next_size], len(found), limit, extra
         )
 
+    good, bad = search(fits, low, high)
+    return result(good, bad)
+
+
+def search(fits: Callable[[int], bool], low: int, high: int | None) -> tuple[int, int | None]:
+    """``(largest size that fits, the size just above it)`` among ``low..high`` (``high=None``: no
+    bound), by doubling from ``low`` until a size does not fit, then bisection; ``(0, low)`` when
+    ``low`` does not fit, ``(high, None)`` when ``high`` fits. Assumes that fitting is monotonic."""
     if not fits(low):
-        return result(0, low)
+        return 0, low
     good, bad = low, None
     while bad is None:
         size = good * 2 if high is None else min(good * 2, high)
         if size == good:
-            return result(good, None)  # high reached and fits
+            return good, None  # high reached and fits
         if fits(size):
             good = size
         else:
@@ -151,4 +159,4 @@ def max_batch_size(
             good = middle
         else:
             bad = middle
-    return result(good, bad)
+    return good, bad

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memlab._units import parse_size
 from memlab.estimate.copies import named_objects
 from memlab.estimate.estimate import _target, run_estimate
-from memlab.estimate.fit import default_budget
+from memlab.estimate.fit import default_budget, search
 
 __all__ = ["AutoBatched", "autobatch"]
 
@@ -151,7 +151,8 @@ class AutoBatched:
 
     def _fitting_size(self, leaves: list[Any], spec: Any, batched: list[bool], size: int) -> int:
         """The largest micro-batch whose estimated forward and backward (with gradients already
-        accumulated) fits in the budget: bisection over estimates of slices of this batch."""
+        accumulated) fits in the budget (1 when none does): doubling, then bisection, over
+        estimates of slices of this batch."""
         device = _target(None, leaves)
         budget = self.budget if self.budget is not None else default_budget(device)
 
@@ -165,16 +166,7 @@ class AutoBatched:
             )
             return estimate.peak_reserved <= budget
 
-        if fits(size):
-            return size
-        good, bad = 0, size
-        while bad - good > 1:
-            middle = (good + bad) // 2
-            if fits(middle):
-                good = middle
-            else:
-                bad = middle
-        return max(good, 1)
+        return max(search(fits, 1, size)[0], 1)
 
 
 def _check_loss(loss: Any, loss_fn: Callable[..., Any]) -> None:

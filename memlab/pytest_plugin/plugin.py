@@ -1,0 +1,177 @@
+"""The pytest plugin (entry point ``pytest11``: ``memlab``): tensor memory budgets for tests,
+checked with GPU numbers on any machine.
+
+- ``@pytest.mark.limit_tensor_memory("64 MiB", metric="allocated", device=None)`` fails a test
+  whose tensors' peak exceeds the limit; ``metric="reserved"`` checks the allocator's reserved bytes.
+- ``@pytest.mark.limit_tensor_leaks("1 MiB")`` fails a test whose tensors still alive at its end
+  exceed the limit.
+- ``--memlab-limit SIZE`` (or ``memlab_limit = SIZE`` in the ini file) limits every test's
+  allocated peak; a ``limit_tensor_memory`` mark overrides it for its test.
+- ``--memlab`` prints, at the end, the tests with the highest peaks (``--memlab-top N``).
+
+What is measured is the test function's call: setup and teardown (fixtures) are not, and tensors
+that existed before the call are not counted (:func:`memlab.pytest_plugin.measure.measured`).
+The plugin is inert unless a mark or an option asks for it: loading it imports neither torch nor
+pandas, and unmarked tests run untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from memlab._units import format_size, parse_size
+from memlab.pytest_plugin import marks
+
+__all__ = [
+    "pytest_addoption",
+    "pytest_collection_modifyitems",
+    "pytest_configure",
+]
+
+_LIMITS = pytest.StashKey[tuple[marks.MemoryLimit | None, marks.LeakLimit | None]]()
+_MEASURING = "memlab-measuring"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("memlab", "memlab: tensor memory limits, with GPU numbers also on CPU")
+    group.addoption(
+        "--memlab",
+        action="store_true",
+        default=False,
+        help="measure every test's tensors and print the tests with the highest peaks at the end",
+    )
+    group.addoption(
+        "--memlab-top",
+        type=int,
+        default=5,
+        metavar="N",
+        help="how many tests the --memlab table shows (default 5)",
+    )
+    group.addoption(
+        "--memlab-limit",
+        metavar="SIZE",
+        default=None,
+        help="fail every test whose tensors' allocated peak exceeds SIZE (e.g. '2 GiB'); "
+        "a limit_tensor_memory mark overrides it",
+    )
+    parser.addini(
+        "memlab_limit",
+        "fail every test whose tensors' allocated peak exceeds this size (e.g. 2 GiB); "
+        "--memlab-limit and limit_tensor_memory marks override it",
+        default=None,
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{marks.MEMORY_MARK}(limit, metric='allocated', device=None): fail the test when its "
+        "tensors' peak of allocated (or reserved) bytes exceeds limit, e.g. '64 MiB' (memlab)",
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{marks.LEAKS_MARK}(limit): fail the test when its tensors still alive at its end "
+        "exceed limit, e.g. '1 MiB' (memlab)",
+    )
+    option = config.getoption("memlab_limit")
+    text = option if option is not None else config.getini("memlab_limit")
+    name = "--memlab-limit" if option is not None else "memlab_limit (ini)"
+    default = None
+    if text:
+        try:
+            default = marks.MemoryLimit(parse_size(text, name=name))
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
+    top = config.getoption("memlab_top")
+    if top < 1:
+        raise pytest.UsageError(f"--memlab-top must be 1 or more, got {top}")
+    table = config.getoption("memlab")
+    if table or default is not None:
+        config.pluginmanager.register(MeasuringPlugin(default, table, top), _MEASURING)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Read every limit mark once (a bad one is a usage error that names the test and what is
+    valid), and start measuring only when some test has one."""
+    marked = False
+    for item in items:
+        memory = _read(item, marks.MEMORY_MARK, marks.memory_limit)
+        leaks = _read(item, marks.LEAKS_MARK, marks.leaks_limit)
+        if memory is not None or leaks is not None:
+            item.stash[_LIMITS] = (memory, leaks)
+            marked = True
+    if marked and not config.pluginmanager.has_plugin(_MEASURING):
+        config.pluginmanager.register(MeasuringPlugin(None, False, 0), _MEASURING)
+
+
+def _read(item: pytest.Item, name: str, read: Any) -> Any:
+    mark = item.get_closest_marker(name)
+    if mark is None:
+        return None
+    try:
+        return read(mark.args, mark.kwargs)
+    except (TypeError, ValueError) as error:
+        arguments = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{name}({arguments}): {error}") from None
+
+
+class MeasuringPlugin:
+    """Measures the calls of the tests that ask for it (a mark, ``--memlab-limit``, ``--memlab``)
+    and fails those over their limits; registered only when one of them is used."""
+
+    def __init__(self, default: marks.MemoryLimit | None, table: bool, top: int) -> None:
+        self.default = default
+        self.table = table
+        self.top = top
+        #: ``(nodeid, device, allocated peak, reserved peak)`` of each measured test, in run order
+        self.peaks: list[tuple[str, str, int, int]] = []
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
+        memory, leaks = item.stash.get(_LIMITS, (None, None))
+        memory = memory if memory is not None else self.default
+        if memory is None and leaks is None and not self.table:
+            return (yield)
+        from memlab.pytest_plugin.measure import Measurement, measured
+
+        history = memory is not None or leaks is not None
+        device = None if memory is None else memory.device
+        measurement = Measurement()
+        try:
+            with measured(device, history=history, leaks=leaks is not None, into=measurement):
+                result = yield
+        finally:
+            if self.table:  # failed tests too: their peaks are real
+                self.peaks.append(
+                    (item.nodeid, measurement.device, measurement.allocated_peak, measurement.reserved_peak)
+                )
+        root = str(item.config.rootpath)
+        failures = [
+            message
+            for message in (
+                None if memory is None else marks.check_memory(memory, measurement, root),
+                None if leaks is None else marks.check_leaks(leaks, measurement, root),
+            )
+            if message is not None
+        ]
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
+        return result
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.table:
+            return
+        terminalreporter.section("memlab: tests with the highest tensor peaks")
+        shown = sorted(self.peaks, key=lambda row: (-row[2], -row[3], row[0]))[: self.top]
+        terminalreporter.write_line(f"{'allocated':>10} {'reserved':>10}  {'device':<7} test")
+        for nodeid, device, allocated, reserved in shown:
+            terminalreporter.write_line(
+                f"{format_size(allocated):>10} {format_size(reserved):>10}  {device:<7} {nodeid}"
+            )
+        terminalreporter.write_line(
+            "Peaks of each test call's own tensors (setup and teardown excluded); cuda: torch.cuda."
+            "memory_stats, other devices: the CUDA caching allocator modelled by memlab.TensorTracker"
+        )
