@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         profile_every,
         set_target_gpu,
     )
+    from memlab.oom import explain_oom
     from memlab.reporter import MemReporter
     from memlab.sources.allocator import CachingAllocatorModel
     from memlab.sources.stats import STAT_KEYS
@@ -50,6 +51,7 @@ _LAZY = {
     "profile": "memlab.line_profiler",
     "profile_every": "memlab.line_profiler",
     "set_target_gpu": "memlab.line_profiler",
+    "explain_oom": "memlab.oom",
     "MemReporter": "memlab.reporter",
     "CachingAllocatorModel": "memlab.sources.allocator",
     "STAT_KEYS": "memlab.sources.stats",
@@ -127,6 +129,7 @@ __all__ = [
     "clear_global_line_profiler",
     "dump_snapshot",
     "estimate",
+    "explain_oom",
     "load_ipython_extension",
     "max_batch_size",
     "plot_memory",

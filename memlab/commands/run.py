@@ -38,6 +38,7 @@ from memlab.commands._program import MainProgram
 from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
 from memlab.history.recording import snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
+from memlab.oom import explain_oom
 from memlab.sources.select import check_target
 from memlab.sources.tracker import TensorTracker
 
@@ -125,7 +126,8 @@ def profile_program(
     allocated outside PyTorch). That tracker is entered before the program's first line, so every
     tensor the program creates counts, also those created before a profiled function first runs.
     ``snapshot`` (a ``.pickle`` path) receives the memory snapshot of the run, also when the
-    program raises or exits (see :func:`memlab.history.recording.snapshot_written`); ``plot``
+    program raises or exits (see :func:`memlab.history.recording.snapshot_written`); an
+    out-of-memory error is explained on stderr (:func:`memlab.explain_oom`); ``plot``
     (``.png``, ``.svg``, ``.pdf``) its plot (:func:`memlab.plot_memory`). A name that never
     appears is a :class:`CommandError` after the run.
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
@@ -166,7 +168,7 @@ def profile_program(
     except ValueError as error:
         raise CommandError(str(error)) from None
     try:
-        with watch.watching_imports(), _program_tracker(profiler, snapshot, plot):
+        with watch.watching_imports(), _program_tracker(profiler, snapshot, plot), explain_oom():
             if functions:
                 with profiler:
                     status = program.run()

@@ -7,6 +7,7 @@ by ``lp(func)``, which enable it only while the wrapped function runs).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -27,6 +28,7 @@ from memlab.line_profiler.records import (
     validate_columns,
 )
 from memlab.line_profiler.tracer import Tracer
+from memlab.oom.watch import watching
 from memlab.sources.base import MemorySource
 from memlab.sources.select import Selection, SourceSelector, check_target
 
@@ -119,6 +121,7 @@ class LineProfiler(ByCountProfilerMixin):
         self._threads = threading.local()
         self._sessions = 0
         self._selection: Selection | None = None
+        self._oom_watches: list[Any] = []  # explain_oom watches of `with lp:` blocks, innermost last
         for func in functions:
             self.add_function(func)
 
@@ -219,11 +222,39 @@ class LineProfiler(ByCountProfilerMixin):
     disable = disable_by_count
 
     def __enter__(self) -> LineProfiler:
-        self.enable()
+        watch = watching()
+        watch.__enter__()
+        self._oom_watches.append(watch)
+        try:
+            self.enable()
+        except BaseException:
+            self._oom_watches.pop().__exit__(None, None, None)
+            raise
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.disable()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            self.disable()
+        finally:
+            self._oom_watches.pop().__exit__(exc_type, exc, tb)
+
+    def wrap_function(self, func: Any) -> Any:
+        """Wrap ``func`` so that each call enables the profiler while it runs and explains an
+        out-of-memory error raised inside it (:func:`memlab.explain_oom`, with its arguments as
+        the step)."""
+        if self._already_a_wrapper(func):
+            return func
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwds: Any) -> Any:
+            with watching(func, args, kwds):
+                self.enable_by_count()
+                try:
+                    return func(*args, **kwds)
+                finally:
+                    self.disable_by_count()
+
+        return self._mark_wrapper(wrapper)
 
     def _start_session(self) -> None:
         if self._wanted != self._records.layout:

@@ -30,7 +30,7 @@ from memlab.history.recorder import Stack, capture_stack, make_history
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 
-__all__ = ["TensorTracker", "active_tracker", "is_active"]
+__all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
 _ALLOCATORS: dict[str | None, Callable[..., Any]] = {
     "cuda": CachingAllocatorModel,
@@ -41,6 +41,11 @@ _ALLOCATORS: dict[str | None, Callable[..., Any]] = {
 _FRESH_ALIASES = {torch.ops.aten.lift_fresh.default}
 
 _active: list[TensorTracker] = []
+#: Called as ``observer(tracker, storage, nbytes, error)`` when a tracker's modelled allocator raises
+#: ``torch.OutOfMemoryError`` for ``storage`` (``nbytes`` bytes; a new storage, or one grown by
+#: ``resize_``), before the error leaves the op (:mod:`memlab.oom` captures the state of that
+#: moment). Nothing runs otherwise.
+OOM_OBSERVERS: list[Callable[[TensorTracker, torch.UntypedStorage, int, torch.OutOfMemoryError], None]] = []
 _AT = ("now", "peak")  # the moments by_category can report
 
 
@@ -437,7 +442,11 @@ class TensorTracker(TorchDispatchMode):
         allocator = self._allocator_for(device)
         if device not in self._seen:
             self._seen[device] = None
-        handle = allocator.malloc(nbytes) if nbytes else None
+        try:
+            handle = allocator.malloc(nbytes) if nbytes else None
+        except torch.OutOfMemoryError as error:
+            self._out_of_memory(storage, nbytes, error)
+            raise
         ref = _StorageRef(storage, self._pending.append)
         ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
         self._live[ref.key] = ref
@@ -445,10 +454,32 @@ class TensorTracker(TorchDispatchMode):
     def _resize(self, ref: _StorageRef, storage: torch.UntypedStorage) -> None:
         # The CUDA allocator grows a storage by allocating the new block, copying, then freeing.
         nbytes = storage.nbytes()
-        handle = ref.allocator.malloc(nbytes) if nbytes else None
+        try:
+            handle = ref.allocator.malloc(nbytes) if nbytes else None
+        except torch.OutOfMemoryError as error:
+            self._out_of_memory(storage, nbytes, error)
+            raise
         if ref.handle is not None:
             ref.allocator.free(ref.handle)
         ref.handle, ref.nbytes = handle, nbytes
+
+    def _out_of_memory(
+        self, storage: torch.UntypedStorage, nbytes: int, error: torch.OutOfMemoryError
+    ) -> None:
+        for observer in list(OOM_OBSERVERS):
+            observer(self, storage, nbytes, error)
+
+    def block_address(self, tensor: torch.Tensor) -> int | None:
+        """The address of the modelled block that holds ``tensor``'s (first) storage, as
+        :meth:`snapshot` lists it, or ``None`` where the tracker did not count that storage."""
+        if self._pending:
+            self._drain()
+        storages: list[torch.UntypedStorage] = []
+        _collect_storages(tensor, storages)
+        ref = self._live.get(id(storages[0])) if storages else None
+        if ref is None or ref.handle is None or ref() is not storages[0]:
+            return None
+        return ref.allocator._extent(ref.handle)[0]
 
     def _drain(self) -> None:
         pending, live = self._pending, self._live

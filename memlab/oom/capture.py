@@ -1,0 +1,370 @@
+"""The state of memory at the moment of an out-of-memory error, captured once as plain data.
+
+A :class:`TensorTracker`'s modelled allocator calls :func:`capture_tracker_oom` (through
+``memlab.sources.tracker.OOM_OBSERVERS``) before its ``torch.OutOfMemoryError`` leaves the op; on a
+GPU PyTorch's out-of-memory observer calls :func:`capture_cuda_oom`. Both read the allocator's
+statistics, its segments, the Python stack and the largest live tensors while they are still what
+they were when the request failed; :mod:`memlab.oom.postmortem` turns a capture into a report.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+from memlab._tensors import live_tensors
+from memlab.history import categories
+from memlab.history.recorder import Frame, Stack, capture_stack
+from memlab.sources.allocator.config import allocation_size, round_size
+
+__all__ = [
+    "Call",
+    "Culprit",
+    "HeldBlock",
+    "OOMCapture",
+    "capture_cuda_oom",
+    "capture_tracker_oom",
+    "is_own_file",
+]
+
+#: How many of the largest live tensors a capture keeps.
+CULPRITS = 5
+_MODEL_STATE = {categories.PARAMETER, categories.BUFFER, categories.GRADIENT, categories.OPTIMIZER_STATE}
+_OWN_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # memlab's own folder
+)
+_sequence = itertools.count(1)
+
+
+def is_own_file(filename: str) -> bool:
+    """Whether ``filename`` belongs to torch or memlab (frames the report never names)."""
+    return os.path.abspath(filename).startswith(_OWN_DIRS)
+
+
+class Call:
+    """One call of a watched step (a profiled function, or a function given to ``explain_oom``):
+    the function, its arguments, and when it started (microseconds since the epoch, the clock of
+    the history's trace entries). A plain class: one is made per watched call."""
+
+    __slots__ = ("args", "batch_dim", "func", "kwargs", "started_us")
+
+    def __init__(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        started_us: int,
+        batch_dim: int | None = None,
+    ) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.started_us = started_us
+        self.batch_dim = batch_dim
+
+    @property
+    def code(self) -> CodeType | None:
+        """The code object of the step (decorators unwrapped), or ``None`` for a callable without one."""
+        func = self.func
+        while hasattr(func, "__wrapped__"):
+            func = func.__wrapped__
+        return getattr(func, "__code__", None)
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A live tensor at the moment of the OOM: its ``MemReporter`` name, category, bytes (as the
+    allocator counts them), shape, dtype and ``file:line`` of its allocation (``None`` without a
+    history)."""
+
+    name: str
+    category: str
+    size: int
+    shape: str
+    dtype: str
+    allocated_at: str | None
+
+
+@dataclass(frozen=True)
+class HeldBlock:
+    """A block allocated by an earlier call of the step, alive at the OOM, that the failing call
+    cannot reach: its bytes, category and ``file:line`` of its allocation."""
+
+    address: int
+    size: int
+    category: str
+    allocated_at: str | None
+
+
+@dataclass
+class OOMCapture:
+    """What was true when a request failed; sizes in bytes.
+
+    ``requested`` is the storage's size, ``block_size`` the allocator's rounded block for it and
+    ``segment_size`` the device allocation it tried (``Tried to allocate`` in PyTorch's message).
+    ``stats`` are ``memory_stats()`` at that moment (after the allocator's retry path freed its
+    unused cached segments). ``snapshot`` is the ``torch.cuda.memory._snapshot()`` dict (with its
+    trace where a history was recorded), ``trace_complete`` whether that trace holds every event
+    since the allocator began (what a replay needs).
+    """
+
+    error_id: int
+    message: str
+    device: str
+    source: str
+    stack: Stack
+    requested: int
+    block_size: int
+    segment_size: int
+    capacity: int
+    stats: dict[str, int]
+    largest_free_block: int
+    config: str = ""
+    culprits: list[Culprit] = field(default_factory=list)
+    held: list[HeldBlock] = field(default_factory=list)
+    snapshot: dict[str, Any] | None = None
+    trace_complete: bool = False
+    trace_checked: bool | None = None  # whether a replay of the trace ends where the allocator was
+    call: Call | None = None
+    note: str | None = None
+    sequence: int = field(default_factory=lambda: next(_sequence))
+
+
+def _largest_free_block(segments: Iterable[dict[str, Any]]) -> int:
+    return max(
+        (
+            block["size"]
+            for segment in segments
+            for block in segment["blocks"]
+            if block["state"] == "inactive"
+        ),
+        default=0,
+    )
+
+
+def _culprits(
+    device: torch.device,
+    call: Call | None,
+    tracker: Any,
+    device_model: str | None,
+    failing: torch.UntypedStorage | None = None,
+) -> list[Culprit]:
+    """The largest live tensors on ``device`` as :class:`memlab.MemReporter` names them (a model
+    and optimizers among the call's arguments name parameters, gradients and optimizer state;
+    other tensors that a local variable of a frame on the stack holds get the variable's name),
+    leaving out the tensors of the ``failing`` storage (a tracked op's output exists on the
+    tracker's real device when its modelled allocation fails)."""
+    from memlab.reporter import MemReporter
+
+    roots = () if call is None else (*call.args, *call.kwargs.values())
+    model = next((arg for arg in roots if isinstance(arg, torch.nn.Module)), None)
+    reporter = MemReporter(model, device_model=device_model, tracker=tracker)
+    for arg in roots:
+        if isinstance(arg, torch.optim.Optimizer):
+            reporter.add_optimizer(arg)
+    records = reporter.snapshot().select(str(device), verbose=False)
+    anonymous = [(entry[0](), entry[2]) for entry in reporter._anonymous.values()]
+    if failing is not None:
+        names = {name for tensor, name in anonymous if _holds(tensor, failing)}
+        records = [r for r in records if r.name not in names]
+    local = _local_names()
+    renamed = {name: local[id(tensor)] for tensor, name in anonymous if id(tensor) in local}
+    records = [r._replace(name=renamed.get(r.name, r.name)) for r in records]
+    records = sorted((r for r in records if r.memory), key=lambda r: -r.memory)
+    return [
+        Culprit(r.name, r.category, r.memory, r.size_text, r.dtype, r.allocated_at)
+        for r in records[:CULPRITS]
+    ]
+
+
+def _local_names() -> dict[int, str]:
+    """``id(tensor) -> variable name`` for the tensors held by local variables (arguments
+    included) of the frames on the stack outside torch and memlab, the innermost frame first."""
+    names: dict[int, str] = {}
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if not is_own_file(frame.f_code.co_filename):
+            for name, value in frame.f_locals.items():
+                if isinstance(value, torch.Tensor) and id(value) not in names:
+                    names[id(value)] = name
+        frame = frame.f_back
+    return names
+
+
+def _holds(tensor: torch.Tensor | None, storage: torch.UntypedStorage) -> bool:
+    try:
+        return tensor is not None and tensor.untyped_storage() is storage
+    except Exception:  # tensors without storage (fake, sparse, wrapper subclasses)
+        return False
+
+
+def _step_frame(code: CodeType | None) -> FrameType | None:
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _place(frames: list[dict[str, Any]]) -> str | None:
+    return f"{frames[0]['filename']}:{frames[0]['line']}" if frames else None
+
+
+def _in_code(frames: list[dict[str, Any]], code: CodeType) -> bool:
+    last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    return any(
+        f["filename"] == code.co_filename
+        and f["name"] == code.co_name
+        and code.co_firstlineno <= f["line"] <= last
+        for f in frames
+    )
+
+
+def _held_across_calls(tracker: Any, snapshot: dict[str, Any], call: Call | None) -> list[HeldBlock]:
+    """Blocks alive now that an earlier call of the step allocated (the step's code is on their
+    allocation stack, before this call began) and that this call cannot reach: not held by the
+    step's local variables (its arguments included), not a parameter, buffer, gradient or optimizer
+    state. Needs a history (allocation stacks and times); empty otherwise."""
+    code = None if call is None else call.code
+    if code is None or not snapshot["device_traces"] or not snapshot["device_traces"][-1]:
+        return []
+    allocated_us: dict[int, int] = {}
+    for entry in snapshot["device_traces"][-1]:
+        if entry["action"] == "alloc":
+            allocated_us[entry["addr"]] = entry["time_us"]
+    frame = _step_frame(code)
+    roots = list(frame.f_locals.values()) if frame is not None else [*call.args, *call.kwargs.values()]
+    del frame
+    needed = {tracker.block_address(t) for t in live_tensors(roots)}
+    for tensor in live_tensors():  # parameters and gradients of models the step reaches through globals
+        if tensor.requires_grad and tensor.is_leaf:
+            needed.add(tracker.block_address(tensor))
+            if tensor.grad is not None:
+                needed.add(tracker.block_address(tensor.grad))
+    held = []
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated" or block["address"] in needed:
+                continue
+            if (
+                block["category"] in _MODEL_STATE
+                or allocated_us.get(block["address"], call.started_us) >= call.started_us
+            ):
+                continue
+            if _in_code(block["frames"], code):
+                held.append(
+                    HeldBlock(block["address"], block["size"], block["category"], _place(block["frames"]))
+                )
+    return held
+
+
+def capture_tracker_oom(
+    tracker: Any,
+    storage: torch.UntypedStorage,
+    nbytes: int,
+    error: torch.OutOfMemoryError,
+    call: Call | None,
+) -> OOMCapture:
+    """The state of ``tracker``'s allocator for ``storage``'s device when its ``nbytes`` bytes did
+    not fit (called from the tracker before ``error`` leaves the op)."""
+    device = storage.device
+    allocator = tracker._allocator_for(device)
+    stats = dict(allocator.memory_stats())
+    config = getattr(allocator, "config", None)
+    block_size = round_size(nbytes, config) if config is not None else nbytes
+    segments = allocator.snapshot()
+    capture = OOMCapture(
+        error_id=id(error),
+        message=str(error),
+        device=str(device),
+        source="tracker",
+        stack=capture_stack(),
+        requested=nbytes,
+        block_size=block_size,
+        segment_size=allocation_size(block_size) if config is not None else nbytes,
+        capacity=allocator.capacity or 0,
+        stats=stats,
+        largest_free_block=_largest_free_block(segments),
+        config="" if config is None else config.source,
+        call=call,
+    )
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        device_model = "cuda" if tracker.allocator == "cuda" else None
+        capture.culprits = _culprits(device, call, tracker, device_model, storage)
+        history = allocator.history
+        if history is not None:
+            capture.snapshot = tracker.snapshot(device)
+            capture.trace_complete = history.recorded == len(history)
+            capture.held = _held_across_calls(tracker, capture.snapshot, call)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return capture
+
+
+def capture_cuda_oom(
+    device: int, alloc: int, device_allocated: int, device_free: int, call: Call | None
+) -> OOMCapture:
+    """The state of CUDA device ``device`` when PyTorch's allocator failed to allocate ``alloc``
+    bytes (PyTorch's out-of-memory observer's arguments): ``torch.cuda.memory_stats``, the
+    memory snapshot (with its trace when ``torch.cuda.memory._record_memory_history`` is on) and
+    the largest live tensors."""
+    stats = dict(torch.cuda.memory_stats(device))
+    snapshot = torch.cuda.memory._snapshot()
+    segments = [s for s in snapshot["segments"] if s["device"] == device]
+    traces = snapshot.get("device_traces", [])
+    reserved = stats.get("reserved_bytes.all.current", 0)
+    capture = OOMCapture(
+        error_id=0,
+        message="",
+        device=f"cuda:{device}",
+        source="cuda",
+        stack=capture_stack(),
+        requested=alloc,
+        block_size=alloc,
+        segment_size=alloc,
+        capacity=reserved + device_free,
+        stats=stats,
+        largest_free_block=_largest_free_block(segments),
+        config=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")),
+        snapshot=snapshot,
+        trace_complete=bool(traces and device < len(traces) and traces[device]),  # checked by a replay
+        call=call,
+    )
+    capture.culprits = _culprits(torch.device("cuda", device), call, None, None)
+    return capture
+
+
+def failing_frame(stack: Stack) -> Frame | None:
+    """The innermost frame of ``stack`` outside torch and memlab (stacks are innermost first)."""
+    return next((frame for frame in stack if not is_own_file(frame[0])), None)
+
+
+def traceback_stack(error: BaseException) -> Stack:
+    """The frames of ``error``'s traceback outside torch and memlab, innermost first."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not is_own_file(code.co_filename):
+            frames.append((code.co_filename, tb.tb_lineno, code.co_name))
+        tb = tb.tb_next
+    return tuple(reversed(frames))
+
+
+def now_us() -> int:
+    """Microseconds since the epoch, the clock of the history's trace entries."""
+    return time.time_ns() // 1000

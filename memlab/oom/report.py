@@ -1,0 +1,188 @@
+"""The OOM post-mortem as plain data, and its two renderers: a terminal screen of text and a dict.
+
+:class:`OOMReport` holds no tensor and no frame; :mod:`memlab.oom.postmortem` builds it from a
+capture, and ``text()`` / ``to_dict()`` read the same fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from memlab._units import format_size
+from memlab.oom.capture import Culprit
+
+__all__ = ["FRAGMENTATION", "SHORTAGE", "OOMReport", "Place", "Remedy"]
+
+FRAGMENTATION = "fragmentation"
+SHORTAGE = "shortage"
+_NAME_WIDTH = 32
+_ACTION_WIDTH = 72
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where the failing request was made: the innermost frame outside torch and memlab."""
+
+    filename: str
+    line: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        return f"{shown_path(self.filename)}:{self.line}"
+
+
+def shown_path(path: str) -> str:
+    """``path`` as the report prints it: relative to the current directory when it lies inside it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if relative.startswith(os.pardir) else relative
+
+
+def _shown_place(place: str) -> str:
+    path, _, line = place.rpartition(":")
+    return f"{shown_path(path)}:{line}" if path else place
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One remedy and the peak reserved bytes it predicts, computed (a replay of the recorded
+    allocations or an estimate of the step), never guessed. ``kind`` names the remedy
+    (``expandable_segments``, ``max_split_size_mb``, ``free_held``, ``micro_batch``,
+    ``autocast_bf16``, ``autocast_fp16``, ``checkpointing``), ``action`` says what to do, and
+    ``details`` holds its own numbers (the micro-batch size, the bytes freed, ...)."""
+
+    kind: str
+    action: str
+    peak_reserved: int
+    capacity: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak reserved bytes fit in the capacity."""
+        return self.peak_reserved <= self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        """``kind``, ``action``, ``peak_reserved``, ``capacity``, ``fits`` and the details."""
+        return {
+            "kind": self.kind,
+            "action": self.action,
+            "peak_reserved": self.peak_reserved,
+            "capacity": self.capacity,
+            "fits": self.fits,
+            **self.details,
+        }
+
+
+@dataclass(frozen=True)
+class OOMReport:
+    """Why a request ran out of memory, what held the memory and what would fit; bytes throughout.
+
+    ``requested`` is the failing storage's size, ``block_size`` the allocator's rounded block for
+    it, ``segment_size`` the device allocation it tried. ``capacity`` / ``reserved`` /
+    ``allocated`` / ``free`` (the device's unreserved bytes) / ``cached_free`` (reserved but
+    unallocated) / ``largest_free_block`` (the largest cached free block) /
+    ``inactive_split_bytes`` are the allocator's at the moment of the failure, after its retry
+    path released unused cached segments. ``verdict`` is :data:`FRAGMENTATION` when the free bytes
+    in all (``free + cached_free``) would hold the block but no free block does, else
+    :data:`SHORTAGE`; ``None`` when no allocator state was captured (then the numbers are
+    ``None`` too). ``caught`` is True when the error did not leave the watched block as it was
+    raised (a ``try`` inside swallowed or replaced it).
+    """
+
+    error_type: str
+    message: str
+    place: Place | None
+    device: str | None = None
+    source: str | None = None
+    requested: int | None = None
+    block_size: int | None = None
+    segment_size: int | None = None
+    capacity: int | None = None
+    reserved: int | None = None
+    allocated: int | None = None
+    free: int | None = None
+    cached_free: int | None = None
+    largest_free_block: int | None = None
+    inactive_split_bytes: int | None = None
+    verdict: str | None = None
+    culprits: tuple[Culprit, ...] = ()
+    remedies: tuple[Remedy, ...] = ()
+    snapshot_path: str | None = None
+    caught: bool = False
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (JSON-ready): every field, ``place`` as ``file``, ``line``,
+        ``function``, ``code``, culprits and remedies as lists of dicts."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["place"] = None if self.place is None else dataclasses.asdict(self.place)
+        data["culprits"] = [dataclasses.asdict(c) for c in self.culprits]
+        data["remedies"] = [r.to_dict() for r in self.remedies]
+        data["notes"] = list(self.notes)
+        return data
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def text(self) -> str:
+        """The report as it is printed: a screen of text, sizes 1024-based (``40.00K``), files
+        inside the current directory relative to it (``to_dict`` keeps them whole)."""
+        where = "" if self.place is None else f" at {self.place} in {self.place.function}"
+        caught = " (caught before it left the watched block)" if self.caught else ""
+        lines = [f"memlab: out of memory ({self.error_type}){where}{caught}"]
+        if self.place is not None and self.place.code:
+            lines.append(f"  {self.place.line:>5} | {self.place.code}")
+        if self.requested is None:
+            lines.append(f"  {self.message.splitlines()[0] if self.message else ''}"[:200])
+            lines.append("  (no allocator state was captured for this error)")
+            lines += [f"  {note}" for note in self.notes]
+        else:
+            lines += self._state_lines()
+        if self.culprits:
+            lines.append("largest live tensors:")
+            for c in self.culprits:
+                name = c.name if len(c.name) <= _NAME_WIDTH else c.name[: _NAME_WIDTH - 1] + "…"
+                place = f"  {_shown_place(c.allocated_at)}" if c.allocated_at else ""
+                lines.append(f"  {name:<{_NAME_WIDTH}} {c.category:<15} {format_size(c.size):>9}{place}")
+        if self.remedies:
+            lines.append(
+                f"remedies (predicted peak reserved, capacity {format_size(self.remedies[0].capacity)}):"
+            )
+            width = min(max(len(r.action) for r in self.remedies), _ACTION_WIDTH)
+            for r in self.remedies:
+                verdict = "fits" if r.fits else "does not fit"
+                lines.append(f"  {r.action:<{width}} {format_size(r.peak_reserved):>9}  {verdict}")
+        if self.snapshot_path is not None:
+            lines.append(f"snapshot: {self.snapshot_path} (memlab viz, or pytorch.org/memory_viz)")
+        return "\n".join(lines)
+
+    def _state_lines(self) -> list[str]:
+        assert self.requested is not None and self.block_size is not None
+        size = format_size
+        lines = [
+            f"  requested {size(self.requested)} (block {size(self.block_size)}, new segment "
+            f"{size(self.segment_size or 0)}) on {self.device}, {self.source}",
+            f"  capacity {size(self.capacity or 0)}  reserved {size(self.reserved or 0)}  allocated "
+            f"{size(self.allocated or 0)}  free {size(self.free or 0)}",
+        ]
+        free, cached = size(self.free or 0), size(self.cached_free or 0)
+        total = size((self.free or 0) + (self.cached_free or 0))
+        free_in_all = f"{total} free in all ({free} on the device, {cached} cached)"
+        if self.verdict == FRAGMENTATION:
+            lines.append(
+                f"verdict: fragmentation: {free_in_all}, but the largest free block is "
+                f"{size(self.largest_free_block or 0)}; inactive split blocks hold "
+                f"{size(self.inactive_split_bytes or 0)}"
+            )
+        else:
+            lines.append(
+                f"verdict: shortage: {free_in_all}, less than the {size(self.block_size)} block requested"
+            )
+        return lines

@@ -1,0 +1,155 @@
+"""The report's text and to_dict read the same fields; snapshots are named per process and rank;
+on a GPU PyTorch's own state is reported."""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+import memlab
+from memlab.oom.report import shown_path
+
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _clean(tmp_path, monkeypatch):
+    gc.collect()
+    monkeypatch.setenv("MEMLAB_OOM_DIR", str(tmp_path))
+
+
+def grow(model, x):
+    h = model(x)
+    return torch.empty(48 * MIB // 4) + h.sum()
+
+
+def _report() -> memlab.oom.OOMReport:
+    watched = memlab.explain_oom(grow, stream=io.StringIO())
+    with memlab.TensorTracker(capacity="40 MiB", history=True):
+        model = torch.nn.Linear(2048, 1024, bias=False)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, torch.ones(4, 2048))
+    return memlab.oom.last_report()
+
+
+def test_the_text_fits_a_screen_and_names_everything_once():
+    report = _report()
+    here = shown_path(__file__)  # relative to the current directory, as the text prints it
+    line = grow.__code__.co_firstlineno + 2
+    made = _report.__code__.co_firstlineno + 3
+    call = _report.__code__.co_firstlineno + 5
+    assert report.text().splitlines() == [
+        f"memlab: out of memory (OutOfMemoryError) at {here}:{line} in grow",
+        f"  {line:>5} | return torch.empty(48 * MIB // 4) + h.sum()",
+        "  requested 48.00M (block 48.00M, new segment 48.00M) on cpu, modelled CUDA caching allocator",
+        "  capacity 40.00M  reserved 22.00M  allocated 8.05M  free 18.00M",
+        "verdict: shortage: 31.95M free in all (18.00M on the device, 13.95M cached), less than the 48.00M "
+        "block requested",
+        "largest live tensors:",
+        f"  {'weight':<32} {'parameter':<15} {'8.00M':>9}  {here}:{made}",
+        f"  {'x':<32} {'activation':<15} {'32.00K':>9}  {here}:{call}",
+        f"  {'h':<32} {'unknown':<15} {'16.00K':>9}  {here}:{line - 1}",
+        # a 48 MiB tensor whatever the batch, and a 48 MiB sum: nothing fits
+        "remedies (predicted peak reserved, capacity 40.00M):",
+        "  micro-batches of 1 (of 4), 4 accumulation steps   118.00M  does not fit",
+        '  torch.autocast("cpu", torch.bfloat16) (bf16)      118.00M  does not fit',
+        f"snapshot: {report.snapshot_path} (memlab viz, or pytorch.org/memory_viz)",
+    ]
+
+
+def test_to_dict_holds_the_same_content_as_plain_data():
+    report = _report()
+    data = report.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    line = grow.__code__.co_firstlineno + 2
+    assert data["place"] == {
+        "filename": __file__,
+        "line": line,
+        "function": "grow",
+        "code": "return torch.empty(48 * MIB // 4) + h.sum()",
+    }
+    assert {k: data[k] for k in ("requested", "block_size", "segment_size", "capacity", "reserved")} == {
+        "requested": 48 * MIB,
+        "block_size": 48 * MIB,
+        "segment_size": 48 * MIB,
+        "capacity": 40 * MIB,
+        "reserved": 22 * MIB,
+    }
+    assert data["allocated"] + data["cached_free"] == data["reserved"]
+    assert data["free"] == 18 * MIB
+    assert data["verdict"] == "shortage"
+    assert data["culprits"][0] == {
+        "name": "weight",
+        "category": "parameter",
+        "size": 8 * MIB,
+        "shape": "(1024, 2048)",
+        "dtype": "float32",
+        "allocated_at": f"{__file__}:{_report.__code__.co_firstlineno + 3}",
+    }
+    assert data["error_type"] == "OutOfMemoryError"
+    assert data["message"].startswith("CUDA out of memory. Tried to allocate 48.00 MiB.")
+    assert data["caught"] is False
+    assert data["remedies"] == [r.to_dict() for r in report.remedies]
+    for remedy in data["remedies"]:
+        assert remedy["fits"] == (remedy["peak_reserved"] <= remedy["capacity"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_torch_distributed_the_snapshot_is_named_by_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with memlab.explain_oom(stream=io.StringIO()) as watch:
+            with memlab.TensorTracker(capacity="10 MiB", history=True):
+                with pytest.raises(torch.OutOfMemoryError):
+                    torch.empty(16 * MIB // 4)
+    finally:
+        dist.destroy_process_group()
+    name = os.path.basename(watch.report.snapshot_path)
+    assert name.startswith(f"memlab-oom-rank0-{os.getpid()}-") and name.endswith(".pickle")
+    assert os.path.dirname(watch.report.snapshot_path) == str(tmp_path)
+
+
+@pytest.mark.cuda
+def test_a_gpu_oom_is_explained_from_pytorch_s_observer(tmp_path):
+    torch.cuda.init()
+    stream = io.StringIO()
+    with memlab.explain_oom(stream=stream, snapshot_dir=tmp_path) as watch:
+        keep = torch.empty(1024, device="cuda")
+        _free, total = torch.cuda.mem_get_info()
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")  # more than the GPU has
+    assert keep.is_cuda
+    report = watch.report
+    assert (report.device, report.source, report.verdict) == ("cuda:0", "measured (torch.cuda)", "shortage")
+    assert (
+        report.place.code
+        == 'torch.empty(2 * total, dtype=torch.uint8, device="cuda")  # more than the GPU has'
+    )
+    assert report.requested >= 2 * total
+    assert report.allocated == torch.cuda.memory_allocated()
+
+
+@pytest.mark.cuda
+def test_a_gpu_oom_swallowed_by_a_library_is_still_reported(tmp_path):
+    torch.cuda.init()
+    with memlab.explain_oom(stream=io.StringIO(), snapshot_dir=tmp_path) as watch:
+        _free, total = torch.cuda.mem_get_info()
+        try:
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+    assert watch.report.caught
+    assert watch.report.device == "cuda:0"
