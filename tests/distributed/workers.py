@@ -27,7 +27,7 @@ def run_rank(rank: int, world: int, out: str, scenario: str) -> None:
     rank 0, which writes them to ``out``/lines.json and stats.json."""
     store = f"file://{os.path.join(out, 'store')}"  # a file, not a port another process could take
     dist.init_process_group(
-        "gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=20)
+        "gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     try:
         profiler = memlab.LineProfiler(work)
