@@ -10,7 +10,7 @@ from typing import Any
 
 from memlab.sources.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
-__all__ = ["MemorySeries", "memory_series"]
+__all__ = ["MemorySeries", "Segments", "memory_series"]
 
 
 @dataclass
@@ -32,7 +32,7 @@ class MemorySeries:
     peak_frame: tuple[str, int, str] | None = None
 
 
-class _Segments:
+class Segments:
     """The segments of a replayed trace and the live blocks in each, to find the bytes a block
     was granted: the free range it was carved from, unless the allocator split that range."""
 
@@ -110,7 +110,7 @@ def memory_series(snapshot: dict[str, Any], device: int | None = None) -> Memory
     segments it does not know change nothing (a block allocated in such a segment counts its
     requested bytes).
     """
-    segments = _Segments()
+    segments = Segments()
     live: dict[int, tuple[int, str]] = {}  # block address -> (granted bytes, category)
     series = MemorySeries()
     totals: dict[str, int] = {}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memlab._devices import cuda_device_exists, parse_device, with_index
-from memlab.history.series import _Segments  # the bytes the caching allocator grants each block
+from memlab.history.series import Segments
 from memlab.sources.tracker import TensorTracker
 
 __all__ = ["Measurement", "Site", "measured"]
@@ -113,7 +113,7 @@ def _user_line(frames: list[dict[str, Any]]) -> tuple[str, int]:
 def _replay(trace: list[dict[str, Any]]) -> Iterator[tuple[int, int, int, _Live]]:
     """``(entry index, allocated, reserved, live blocks)`` after each entry of ``trace``; live
     blocks map an address to ``(granted bytes, (file, line))``. The dict is the same object each time."""
-    segments = _Segments()
+    segments = Segments()
     live: _Live = {}
     allocated = reserved = 0
     for i, entry in enumerate(trace):
