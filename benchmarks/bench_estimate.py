@@ -29,7 +29,9 @@ def conv_net() -> torch.nn.Module:
             torch.nn.ReLU(),
         ]
         channels = width
-    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(256, 10))
+    return torch.nn.Sequential(
+        *layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(256, 10)
+    )
 
 
 class Transformer(torch.nn.Module):
@@ -62,7 +64,9 @@ def best(repeats: int, fn) -> float:
     return min(times)
 
 
-def compare(name: str, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, repeats: int) -> None:
+def compare(
+    name: str, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, repeats: int
+) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     memlab.estimate(train_step, model, optimizer, inputs, targets)  # warm up (imports, caches)
     estimated = best(repeats, lambda: memlab.estimate(train_step, model, optimizer, inputs, targets))
