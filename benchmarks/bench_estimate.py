@@ -1,8 +1,9 @@
 """How much faster an estimate is than running the step, and what max_batch_size costs.
 
-For a conv-net and a small transformer, each a full training step (forward, backward, AdamW):
-the wall time of ``memlab.estimate`` of the step (fake tensors under the tracker) against the same
-step run for real on this machine's CPU, best of ``--repeats``; then ``memlab.max_batch_size`` of
+For a conv-net and a small transformer, each a full training step (forward, backward, AdamW) at a
+small size and at a size a GPU would train at: the wall time of ``memlab.estimate`` of the step
+(fake tensors under the tracker) against the same step run for real on this machine's CPU, best of
+``--repeats``; then ``memlab.max_batch_size`` of
 the transformer step under a budget: its wall time and how many estimates it ran.
 Run: ``python benchmarks/bench_estimate.py``.
 """
@@ -84,20 +85,24 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
-    compare(
-        "conv-net step (batch 32, 3x128x128)",
-        conv_net(),
-        torch.randn(32, 3, 128, 128),
-        torch.randint(0, 10, (32,)),
-        args.repeats,
-    )
-    compare(
-        "transformer step (4 layers, width 256, batch 16 x 256 tokens)",
-        Transformer(),
-        torch.randint(0, 8192, (16, 256)),
-        torch.randint(0, 8192, (16, 256)),
-        args.repeats,
-    )
+    # The estimate's cost grows with the number of ops, not with tensor sizes; a real step's grows
+    # with both: each model at a small size and at a size a GPU would train at.
+    for batch, side in ((32, 128), (64, 224)):
+        compare(
+            f"conv-net step (batch {batch}, 3x{side}x{side})",
+            conv_net(),
+            torch.randn(batch, 3, side, side),
+            torch.randint(0, 10, (batch,)),
+            args.repeats,
+        )
+    for batch, tokens in ((16, 256), (32, 512)):
+        compare(
+            f"transformer step (4 layers, width 256, batch {batch} x {tokens} tokens)",
+            Transformer(),
+            torch.randint(0, 8192, (batch, tokens)),
+            torch.randint(0, 8192, (batch, tokens)),
+            args.repeats,
+        )
     model = Transformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
