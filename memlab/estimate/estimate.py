@@ -78,6 +78,7 @@ class _Tracker(TensorTracker):
     the storages that real kernels allocate larger than their meta kernels do."""
 
     forced_by: str | None = None
+    estimated: str | None = None  # how the estimate ran, for the line that says where numbers come from
     _real_nbytes: int | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -364,6 +365,11 @@ def run_estimate(
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
     tracker = _Tracker(history=True)
+    tracker.estimated = {
+        "fake": f"fake tensors, {device.type}'s kernels",
+        "meta": "meta tensors",
+        "cpu": "a real run on CPU copies",
+    }[method]
     kernels = _kernels(device, data_free=method != "cpu")
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default

@@ -75,6 +75,9 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
         return f"read from {type(source).__name__} for {where}"
     kind = where if device is None else f"{device.type} tensors"
     modelled = "modelled (no CUDA GPU here)" if fallback else "modelled"
+    estimated = getattr(source, "estimated", None)  # memlab.estimate's tracker says how it ran
+    if estimated is not None:
+        modelled = f"estimated ({estimated}; memlab.estimate)"
     if source.allocator == "cuda":
         text = f"{modelled}: CUDA caching allocator replayed from {kind} (memlab.TensorTracker)"
     else:

@@ -318,7 +318,10 @@ def test_line_profile_gives_the_line_profiler_table_without_allocating():
     columns = ["allocated_bytes.all.current"]
     frame = estimate.line_profile(columns=columns).to_dataframe(columns=columns)
     assert list(frame["allocated_bytes.all.current"]) == [12_582_912, 16_777_728, 20_972_032, 20_972_032]
-    assert frame.attrs["source"].startswith("modelled: CUDA caching allocator replayed from meta tensors")
+    assert frame.attrs["source"] == (
+        "estimated (fake tensors, cpu's kernels; memlab.estimate): CUDA caching allocator replayed from meta "
+        "tensors (memlab.TensorTracker); 3 tensor storages (12.00M) existed before profiling"
+    )
     assert model[0].weight.grad is None
 
 
