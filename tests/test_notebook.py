@@ -157,3 +157,11 @@ def test_the_memory_plot_shows_inline(outputs: dict[str, Any]) -> None:
     # weights and gradients: twice 512x1024 + 1024 + 1024x10 + 10 floats, each in 512 B blocks
     assert outputs["plot"]["stdout"] == "allocated now: 4285440 B (weights and gradients)\n"
     assert outputs["plot"]["image/png"].startswith("iVBORw0KGgo")  # a base64 PNG
+
+
+def test_the_estimate_cell_prints_the_peak_and_the_batch_that_fits(outputs: dict[str, Any]) -> None:
+    assert outputs["estimate"]["stdout"] == (
+        "peak reserved: 178257920 B; fits in 1 GiB: True\n"
+        "largest batch that fits in 1.00G: 13952 (peak reserved 1.00G); 13953 needs 1.01G; 28 estimates\n"
+    )
+    assert "<b>170.00M</b>" in outputs["estimate"]["text/html"]  # the Estimate's HTML: its peak reserved
