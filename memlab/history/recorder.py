@@ -25,6 +25,7 @@ __all__ = [
     "History",
     "Stack",
     "capture_stack",
+    "is_own_file",
     "make_history",
 ]
 
@@ -51,6 +52,14 @@ _OWN_DIRS = tuple(
     for path in (torch.__file__, os.path.dirname(os.path.abspath(__file__)))
 )
 _skipped: dict[CodeType, bool] = {}  # code object -> whether its file is torch's or memlab's
+
+
+def is_own_file(filename: str) -> bool:
+    """Whether ``filename`` is in torch's folder or memlab's: frames that stacks, reports and
+    failure messages leave out, so that the user's own line is the innermost one shown."""
+    return os.path.abspath(filename).startswith(_OWN_DIRS)
+
+
 _frames: dict[Frame, Frame] = {}  # every distinct frame, stored once
 _stacks: dict[Stack, Stack] = {}  # every distinct stack, stored once
 
@@ -68,7 +77,7 @@ def capture_stack() -> Stack:
         code = frame.f_code
         skip = _skipped.get(code)
         if skip is None:
-            skip = _skipped[code] = os.path.abspath(code.co_filename).startswith(_OWN_DIRS)
+            skip = _skipped[code] = is_own_file(code.co_filename)
         if not skip:
             key = (code.co_filename, frame.f_lineno, code.co_name)
             frames.append(_frames.setdefault(key, key))

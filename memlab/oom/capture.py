@@ -23,7 +23,7 @@ import torch
 
 from memlab._tensors import live_tensors
 from memlab.history import categories
-from memlab.history.recorder import Frame, Stack, capture_stack
+from memlab.history.recorder import Frame, Stack, capture_stack, is_own_file
 from memlab.sources.allocator.config import allocation_size, round_size
 
 __all__ = [
@@ -33,22 +33,12 @@ __all__ = [
     "OOMCapture",
     "capture_cuda_oom",
     "capture_tracker_oom",
-    "is_own_file",
 ]
 
 #: How many of the largest live tensors a capture keeps.
 CULPRITS = 5
 _MODEL_STATE = {categories.PARAMETER, categories.BUFFER, categories.GRADIENT, categories.OPTIMIZER_STATE}
-_OWN_DIRS = (
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # memlab's own folder
-)
 _sequence = itertools.count(1)
-
-
-def is_own_file(filename: str) -> bool:
-    """Whether ``filename`` belongs to torch or memlab (frames the report never names)."""
-    return os.path.abspath(filename).startswith(_OWN_DIRS)
 
 
 class Call:

@@ -20,16 +20,12 @@ from typing import Any
 import torch
 
 from memlab._devices import cuda_device_exists, parse_device, with_index
+from memlab.history.recorder import is_own_file
 from memlab.history.series import Segments
 from memlab.sources.tracker import TensorTracker
 
 __all__ = ["Measurement", "Site", "measured"]
 
-# torch's folder and memlab's: frames there are not the user's line that allocated
-_OWN_DIRS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (torch.__file__, os.path.dirname(os.path.abspath(__file__)))
-)
 _Live = dict[int, tuple[int, tuple[str, int]]]  # block address -> (granted bytes, (file, line))
 
 
@@ -105,7 +101,7 @@ def _user_line(frames: list[dict[str, Any]]) -> tuple[str, int]:
     """The innermost frame outside torch and memlab: the line of the user's code that allocated."""
     for frame in frames:
         name = frame["filename"]
-        if name.endswith(".py") and not os.path.abspath(name).startswith(_OWN_DIRS):
+        if name.endswith(".py") and not is_own_file(name):
             return name, frame["line"]
     return "<unknown>", 0
 
