@@ -40,7 +40,11 @@ from memlab.sources.tracker import TensorTracker
 
 __all__ = ["Estimate", "EstimateError", "estimate"]
 
-METHODS = ("fake", "meta", "cpu")
+_HOW = {
+    "fake": "fake tensors",
+    "meta": "meta tensors",
+    "cpu": "a real run on CPU copies",
+}  # each method, said
 _AT = ("peak", "end")
 # What fake tensors cannot do: each forces a real CPU run, named in the estimate.
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
@@ -244,11 +248,7 @@ class Estimate:
         return [(name, format_size(peak[name]), format_size(end[name])) for name in categories.CATEGORIES]
 
     def _header(self) -> str:
-        how = {
-            "fake": "fake tensors",
-            "meta": "meta tensors",
-            "cpu": "a real run on CPU copies",
-        }[self.method]
+        how = _HOW[self.method]
         return (
             f"memlab estimate of {self.name} on {self.device.type} ({how}; CUDA caching allocator modelled)"
         )
@@ -365,11 +365,7 @@ def run_estimate(
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
     tracker = _Tracker(history=True)
-    tracker.estimated = {
-        "fake": f"fake tensors, {device.type}'s kernels",
-        "meta": "meta tensors",
-        "cpu": "a real run on CPU copies",
-    }[method]
+    tracker.estimated = _HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
     kernels = _kernels(device, data_free=method != "cpu")
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
