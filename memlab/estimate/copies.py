@@ -186,12 +186,7 @@ class _Rebinder:
                     changes[name] = value
         closure = fn.__closure__
         if closure is not None:
-            values = []
-            for cell in closure:
-                try:
-                    values.append(cell.cell_contents)
-                except ValueError:  # an empty cell (a name assigned later)
-                    values.append(cell)
+            values = _cell_contents(fn)
             new_values = [
                 value if value is cell else self._value(value)
                 for value, cell in zip(values, closure, strict=True)
@@ -231,6 +226,18 @@ class _Rebinder:
         return value
 
 
+def _cell_contents(fn: types.FunctionType) -> list[Any]:
+    """What each closure cell of ``fn`` holds, in order; an empty cell (a name assigned later)
+    stands for itself."""
+    contents: list[Any] = []
+    for cell in fn.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:
+            contents.append(cell)
+    return contents
+
+
 def _global_names(code: types.CodeType) -> set[str]:
     """The global names ``code`` and the code nested in it (lambdas, inner functions) may read."""
     names = set(code.co_names)
@@ -263,11 +270,7 @@ def named_objects(fn: Callable[..., Any]) -> list[Any]:
             continue
         seen.add(id(func))
         values = [namespace[name] for name in _global_names(func.__code__) if name in namespace]
-        for cell in func.__closure__ or ():
-            try:
-                values.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
+        values += [value for value in _cell_contents(func) if not isinstance(value, types.CellType)]
         for value in values:
             if isinstance(value, types.FunctionType):
                 todo.append(value)
