@@ -41,8 +41,7 @@ class Copier:
         self.modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.inputs: list[torch.Tensor] = []
-        #: The user's tensors that were copied, and their copies, in the same order.
-        self.originals: list[torch.Tensor] = []
+        #: Every tensor copy made, in order (until :meth:`release`).
         self.copies: list[torch.Tensor] = []
 
     # -- tensors --------------------------------------------------------------------------------
@@ -57,13 +56,23 @@ class Copier:
         if tensor.is_leaf and tensor.grad is not None:
             new.grad = self.tensor(tensor.grad)
         self._remember(tensor, new)
-        self.originals.append(tensor)
         self.copies.append(new)
         return new
 
     def _remember(self, original: Any, new: Any) -> None:
         self._memo[id(original)] = new
         self._keep.append(original)
+
+    def release(self) -> None:
+        """Drop every reference the copier holds to copies of tensors, so that each copy lives
+        exactly as long as the copied structures (modules, optimizers, arguments) hold it, as the
+        original does in the user's program: a step that sets gradients to ``None`` or replaces
+        optimizer state frees them at that moment. ``modules``, ``optimizers`` and ``inputs`` stay
+        (the caller holds those for the whole call, as the user does); nothing more can be copied."""
+        self._memo.clear()
+        self._keep.clear()
+        self.copies.clear()
+        self._copy_tensor = _released
 
     # -- structures -----------------------------------------------------------------------------
     def __call__(self, obj: Any) -> Any:
@@ -160,6 +169,10 @@ class Copier:
             rebinder.finish()
             return new
         return fn
+
+
+def _released(tensor: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("Copier.release() was called: no more copies can be made")
 
 
 class _Rebinder:

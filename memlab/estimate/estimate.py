@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
+    unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -157,6 +158,8 @@ class Estimate:
     does not model (one sentence each). ``substituted``: CUDA kernel substitutions made (name ->
     count). ``tracker``: the :class:`~memlab.sources.tracker.TensorTracker` that counted (its
     ``snapshot()`` is the run's memory snapshot, for ``memlab viz`` or ``plot_memory``).
+    ``steps``: how many times the call ran in a row on the same copies (peaks are over all of
+    them); ``peak_step``: the step (1-based) in which the peak reserved bytes were first reached.
 
     What an estimate cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries inside one
     kernel, the CUDA context (hundreds of MiB per process on a GPU), NCCL buffers, memory
@@ -178,8 +181,12 @@ class Estimate:
         forced_by: str | None,
         rerun: Callable[[Any], Estimate],
         function: Callable[..., Any],
+        steps: int = 1,
+        peak_step: int = 1,
     ) -> None:
         self.name = name
+        self.steps = steps
+        self.peak_step = peak_step
         self._function = function
         self.method = method
         self.device = device
@@ -249,8 +256,10 @@ class Estimate:
 
     def _header(self) -> str:
         how = _HOW[self.method]
+        ran = "1 step" if self.steps == 1 else f"{self.steps} steps, peak reserved in step {self.peak_step}"
         return (
-            f"memlab estimate of {self.name} on {self.device.type} ({how}; CUDA caching allocator modelled)"
+            f"memlab estimate of {self.name} on {self.device.type} ({how}; CUDA caching allocator "
+            f"modelled; {ran})"
         )
 
     def __repr__(self) -> str:
@@ -292,7 +301,11 @@ class Estimate:
 
 
 def estimate(
-    fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    device: torch.device | str | None = None,
+    steps: int = 1,
+    **kwargs: Any,
 ) -> Estimate:
     """Estimate the memory ``fn(*args, **kwargs)`` takes, without running it on real data.
 
@@ -309,6 +322,14 @@ def estimate(
     substituted where they allocate differently (:mod:`memlab.estimate.kernels`); differences not
     handled are named in ``caveats`` when the run hits them.
 
+    ``steps``: how many times to call ``fn`` in a row on the same copies, as a training loop
+    ``for ...: result = fn(...)`` does (gradients, optimizer state and the previous result carried
+    over; the previous result is released when the next call returns). Peaks are over all calls;
+    ``Estimate.peak_step`` says which one reached the peak reserved bytes. A step whose optimizer
+    already has state (a model trained for a while) is estimated as data-free as a fresh one:
+    optimizer step counters and other one-element CPU tensors are copied with their values, so
+    code that reads them (``step.item()`` in Adam) runs on fake tensors.
+
     An op that fake tensors cannot run (its output depends on tensor values: ``.item()``,
     ``nonzero``, boolean masks, ``if tensor:``) makes the estimate run ``fn`` for real on CPU
     copies of the arguments (``method="cpu"``; exact for the bytes a tracker counts, costs host
@@ -323,7 +344,18 @@ def estimate(
         raise TypeError(
             f"fn must be callable (a function, module or method), got {type(fn).__name__} {fn!r:.80}"
         )
-    return run_estimate(fn, lambda: (args, kwargs), _target(device, (fn, args, kwargs)))
+    steps = check_count(steps, "steps", 1)
+    return run_estimate(fn, lambda: (args, kwargs), _target(device, (fn, args, kwargs)), steps=steps)
+
+
+def check_count(value: Any, name: str, minimum: int) -> int:
+    """``value`` if it is an int of at least ``minimum``; else a ``TypeError``/``ValueError``
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def _target(device: torch.device | str | None, roots: Any) -> torch.device:
@@ -348,19 +380,21 @@ def run_estimate(
     backward: bool = False,
     profiler: Any = None,
     method: str | None = None,
+    steps: int = 1,
 ) -> Estimate:
     """Run ``fn`` on data-free copies of what ``make_arguments()`` returns (``(args, kwargs)``;
     called under the fake mode, so tensors it creates are fake from the start) and return the
     :class:`Estimate`. ``with_grads``: give every trainable parameter a gradient first (a step
     that accumulates into existing gradients); ``backward``: call ``.backward()`` on the result;
-    ``profiler``: a LineProfiler enabled around the call; ``method``: force ``"cpu"``."""
+    ``profiler``: a LineProfiler enabled around the call; ``method``: force ``"cpu"``; ``steps``:
+    calls in a row (see :func:`estimate`)."""
     method = method or ("meta" if device.type == "meta" else "fake")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
 
     def rerun(new_profiler: Any) -> Estimate:
         return run_estimate(
             fn, make_arguments, device, with_grads=with_grads, backward=backward,
-            profiler=new_profiler, method=method,
+            profiler=new_profiler, method=method, steps=steps,
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
@@ -393,10 +427,15 @@ def run_estimate(
                 tracker.adopt(roots=copier.copies)
                 # One adoption, as the line that says where numbers come from reports it.
                 tracker.adoptions[:] = [tuple(map(sum, zip(*tracker.adoptions, strict=True)))]
+                copier.release()  # from here on, only what the user's objects hold keeps a copy alive
+                reserved_peaks = []
                 with profiler or contextlib.nullcontext():
-                    result = call(*args, **kwargs)
-                    if backward:
-                        result.backward()
+                    result = None
+                    for _ in range(steps):
+                        result = call(*args, **kwargs)
+                        if backward:
+                            result.backward()
+                        reserved_peaks.append(tracker.max_memory_reserved(_stats_device(tracker)))
                 tracker._categorise_known()
                 stats_device = _stats_device(tracker)
                 built = Estimate(
@@ -410,6 +449,8 @@ def run_estimate(
                     forced_by=None,
                     rerun=rerun,
                     function=fn,
+                    steps=steps,
+                    peak_step=reserved_peaks.index(max(reserved_peaks)) + 1,
                 )
                 del result
         except Exception:
@@ -430,6 +471,7 @@ def run_estimate(
             backward=backward,
             profiler=profiler,
             method="cpu",
+            steps=steps,
         )
         cpu.forced_by = tracker.forced_by
         return cpu
@@ -476,6 +518,16 @@ def _tensor_copier(method: str, mode: FakeTensorMode | None) -> Callable[[torch.
         def fake(tensor: torch.Tensor) -> torch.Tensor:
             if isinstance(tensor, FakeTensor) and tensor.fake_mode is mode:
                 return tensor  # made by make_arguments under the mode: data-free already
+            if _host_scalar(tensor):
+                # A fake tensor that carries its value (FakeTensorMode's constants, which it makes
+                # itself of torch.tensor(0.0) in a fresh optimizer's first step): reading it
+                # (Adam's step.item()) works, and ops whose inputs are all constants (step += 1)
+                # update it for real. The constant is a clone, so those updates never reach the
+                # user's tensor; one written by a non-constant op stops being readable (PyTorch
+                # invalidates it), and reading it then forces a real run, as any value would.
+                with unset_fake_temporarily():
+                    value = tensor.detach().clone()
+                return mode.fake_tensor_converter.from_real_tensor(mode, value, make_constant=True)
             return mode.from_tensor(tensor)
 
         return fake
@@ -493,6 +545,17 @@ def _tensor_copier(method: str, mode: FakeTensorMode | None) -> Callable[[torch.
         return new.requires_grad_(tensor.requires_grad) if tensor.is_leaf else new
 
     return real
+
+
+def _host_scalar(tensor: torch.Tensor) -> bool:
+    """A one-element CPU tensor outside autograd (an optimizer's step counter, a GradScaler's
+    scale on CPU): the values Python code reads to decide what to do next."""
+    return (
+        tensor.numel() <= 1
+        and tensor.device.type == "cpu"
+        and not tensor.requires_grad
+        and type(tensor) is torch.Tensor  # not a Parameter, not a subclass
+    )
 
 
 def _give_gradients(modules: list[torch.nn.Module]) -> None:

@@ -286,7 +286,7 @@ def test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see():
     text = repr(memlab.estimate(forward, model, torch.randn(256, 1024)))
     assert text.splitlines()[:3] == [
         "memlab estimate of test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see.<locals>."
-        "forward on cpu (fake tensors; CUDA caching allocator modelled)",
+        "forward on cpu (fake tensors; CUDA caching allocator modelled; 1 step)",
         "peak allocated 6.00M, active 6.00M, reserved 24.00M",
         "at the end: allocated 5.00M, reserved 24.00M",
     ]
