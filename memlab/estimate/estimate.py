@@ -106,6 +106,12 @@ class _Tracker(TensorTracker):
             nbytes = real
         super()._track(storage, nbytes)
 
+    def _out_of_memory(
+        self, storage: torch.UntypedStorage, nbytes: int, error: torch.OutOfMemoryError
+    ) -> None:
+        """An estimate that runs out of its capacity answers a question (does it fit?); it is not
+        the user's out-of-memory error, so the OOM observers (``explain_oom``) are not told."""
+
     def _resize(self, ref: Any, storage: torch.UntypedStorage) -> None:
         if ref.key in self._oversized and storage.nbytes() < ref.nbytes:
             return  # in place on an oversized loss: the real storage keeps its size
@@ -381,24 +387,26 @@ def run_estimate(
     profiler: Any = None,
     method: str | None = None,
     steps: int = 1,
+    capacity: int | None = None,
 ) -> Estimate:
     """Run ``fn`` on data-free copies of what ``make_arguments()`` returns (``(args, kwargs)``;
     called under the fake mode, so tensors it creates are fake from the start) and return the
     :class:`Estimate`. ``with_grads``: give every trainable parameter a gradient first (a step
     that accumulates into existing gradients); ``backward``: call ``.backward()`` on the result;
     ``profiler``: a LineProfiler enabled around the call; ``method``: force ``"cpu"``; ``steps``:
-    calls in a row (see :func:`estimate`)."""
+    calls in a row (see :func:`estimate`); ``capacity``: the modelled device's memory in bytes
+    (``torch.OutOfMemoryError`` where the run needs more)."""
     method = method or ("meta" if device.type == "meta" else "fake")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
 
     def rerun(new_profiler: Any) -> Estimate:
         return run_estimate(
             fn, make_arguments, device, with_grads=with_grads, backward=backward,
-            profiler=new_profiler, method=method, steps=steps,
+            profiler=new_profiler, method=method, steps=steps, capacity=capacity,
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
-    tracker = _Tracker(history=True)
+    tracker = _Tracker(history=True, capacity=capacity)
     tracker.estimated = _HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
     kernels = _kernels(device, data_free=method != "cpu")
     caveats: list[str] = []
@@ -472,6 +480,7 @@ def run_estimate(
             profiler=profiler,
             method="cpu",
             steps=steps,
+            capacity=capacity,
         )
         cpu.forced_by = tracker.forced_by
         return cpu

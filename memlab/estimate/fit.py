@@ -1,8 +1,9 @@
-"""``memlab.max_batch_size``: the largest batch whose estimated step fits in a memory budget.
+"""``memlab.max_batch_size``: the largest batch whose repeated training steps fit in a memory budget.
 
 Each candidate batch size is estimated (:func:`memlab.estimate.estimate`, on fake tensors: nothing
-is allocated, not even the batch, which ``make_batch`` creates under the fake mode), by doubling
-from ``low`` until a size does not fit, then by bisection, never by extrapolating from a few runs.
+is allocated, not even the batch, which ``make_batch`` creates under the fake mode) for several
+steps in a row under a modelled allocator whose capacity is the budget, by doubling from ``low``
+until a size runs out of memory, then by bisection, never by extrapolating from a few runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from memlab._devices import parse_device
 from memlab._units import format_size, parse_size
-from memlab.estimate.estimate import Estimate, run_estimate
+from memlab.estimate.estimate import Estimate, check_count, run_estimate
 
 __all__ = ["BatchFit", "default_budget", "max_batch_size", "search"]
 
@@ -24,11 +25,13 @@ __all__ = ["BatchFit", "default_budget", "max_batch_size", "search"]
 class BatchFit:
     """What :func:`max_batch_size` found.
 
-    ``batch_size``: the largest batch size whose estimated peak reserved bytes plus ``headroom``
-    fit in ``budget`` (0 when even ``low`` does not fit). ``estimate``: the :class:`Estimate` of
-    that size (``None`` for 0); ``next_estimate``: the estimate of ``batch_size + 1`` (``None``
-    where ``high`` was reached and fits). ``estimates``: how many estimates the search ran.
-    ``budget`` and ``headroom`` in bytes.
+    ``batch_size``: the largest batch size whose ``steps`` estimated steps in a row run without
+    running out of memory in an allocator of ``budget - headroom`` bytes (0 when even ``low``
+    does not). ``estimate``: the :class:`Estimate` of that size, run under that capacity (``None``
+    for 0); ``next_size``: the smallest size that ran out of memory (``batch_size + 1``, or
+    ``low`` when nothing fits; ``None`` where ``high`` was reached and fits); ``next_estimate``:
+    its estimate without a capacity, whose ``peak_reserved`` is what it would need.
+    ``estimates``: how many estimates the search ran. ``budget`` and ``headroom`` in bytes.
     """
 
     batch_size: int
@@ -37,16 +40,18 @@ class BatchFit:
     estimates: int
     budget: int
     headroom: int
+    steps: int = 2
+    next_size: int | None = None
 
     def __repr__(self) -> str:
         text = f"largest batch that fits in {format_size(self.budget)}"
         if self.headroom:
             text += f" with {format_size(self.headroom)} headroom"
-        text += f": {self.batch_size}"
+        text += f" for {self.steps} step{'s' if self.steps > 1 else ''} in a row: {self.batch_size}"
         if self.estimate is not None:
             text += f" (peak reserved {format_size(self.estimate.peak_reserved)})"
         if self.next_estimate is not None:
-            text += f"; {self.batch_size + 1} needs {format_size(self.next_estimate.peak_reserved)}"
+            text += f"; {self.next_size} needs {format_size(self.next_estimate.peak_reserved)}"
         return f"{text}; {self.estimates} estimates"
 
 
@@ -70,14 +75,6 @@ def default_budget(device: torch.device) -> int:
     )
 
 
-def _check_count(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """How a batch is passed to a step: a tuple as positional arguments, anything else as one."""
     return (batch, {}) if isinstance(batch, tuple) else ((batch,), {})
@@ -92,9 +89,18 @@ def max_batch_size(
     high: int | None = None,
     headroom: int | str = 0,
     device: torch.device | str | None = None,
+    steps: int = 2,
 ) -> BatchFit:
-    """The largest batch size ``B`` (``low <= B <= high``) whose estimated peak reserved memory
-    plus ``headroom`` fits in ``budget``.
+    """The largest batch size ``B`` (``low <= B <= high``) at which ``steps`` training steps in a
+    row fit in ``budget`` minus ``headroom``: the steady state of training, not only its first
+    step (whose peak has no optimizer state or gradients yet).
+
+    Each size is estimated as :func:`~memlab.estimate.estimate` does with ``steps=steps``, under a
+    modelled CUDA caching allocator whose capacity is ``budget - headroom`` bytes: a size fits when
+    no step runs out of memory there (with the allocator's retry path: cached blocks are freed
+    before it gives up, as on a GPU). Training at ``B`` under that capacity then never runs out of
+    memory in the steps estimated (nor later, when each step frees what it makes), and ``B + 1``
+    does within them.
 
     ``make_batch(B)`` returns the step's arguments for batch size ``B``: ``step(*batch)`` when it
     returns a tuple, else ``step(batch)``. It is called under the estimate's fake mode, so the
@@ -103,39 +109,55 @@ def max_batch_size(
     counted (parameters, gradients, optimizer state) and left untouched. ``budget`` (bytes or a
     size such as ``"16 GiB"``) is the memory the whole step may use, model included; by default
     :func:`default_budget`. ``device``: whose kernels to mimic, as for ``estimate`` (default: the
-    default device, or ``cuda`` on a GPU machine).
+    default device, or ``cuda`` on a GPU machine). What the estimates cannot see (kernel
+    workspaces, the CUDA context) is not in the budget: leave it as ``headroom``.
 
     Sizes are searched by doubling from ``low``, then by bisection: O(log B) estimates, each the
-    cost of one data-free step; a step whose peak does not grow with the batch stops at ``high``
-    (``None``: doubling goes on until a size does not fit). It assumes that a larger batch never
-    needs less memory. Returns a :class:`BatchFit`, with the estimates of ``B`` and ``B + 1``.
+    cost of ``steps`` data-free steps; a step whose peak does not grow with the batch stops at
+    ``high`` (``None``: doubling goes on until a size does not fit). It assumes that a larger batch
+    never needs less memory. Returns a :class:`BatchFit`, with the estimates of ``B`` and ``B + 1``.
     """
     if not callable(step) or not callable(make_batch):
         bad = "step" if not callable(step) else "make_batch"
         raise TypeError(f"{bad} must be callable")
-    low = _check_count(low, "low", 1)
+    low = check_count(low, "low", 1)
     if high is not None:
-        high = _check_count(high, "high", low)
+        high = check_count(high, "high", low)
+    steps = check_count(steps, "steps", 1)
     extra = parse_size(headroom, name="headroom")
     if device is not None:
         target = parse_device(device, name="device")
     else:
         target = torch.device("cuda") if torch.cuda.is_available() else torch.get_default_device()
     limit = default_budget(target) if budget is None else parse_size(budget, name="budget")
-    found: dict[int, Estimate] = {}
+    if extra >= limit:
+        raise ValueError(
+            f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
+        )
+    found: dict[int, Estimate | None] = {}
+
+    def estimate(size: int, capacity: int | None) -> Estimate:
+        return run_estimate(
+            step, lambda: call_arguments(make_batch(size)), target, steps=steps, capacity=capacity
+        )
 
     def fits(size: int) -> bool:
         if size not in found:
-            found[size] = run_estimate(step, lambda: call_arguments(make_batch(size)), target)
-        return found[size].peak_reserved + extra <= limit
-
-    def result(size: int, next_size: int | None) -> BatchFit:
-        return BatchFit(
-            size, found.get(size), None if next_size is None else found[next_size], len(found), limit, extra
-        )
+            found[size] = fitting_estimate(lambda capacity: estimate(size, capacity), limit - extra)
+        return found[size] is not None
 
     good, bad = search(fits, low, high)
-    return result(good, bad)
+    needs = None if bad is None else estimate(bad, None)
+    return BatchFit(good, found.get(good), needs, len(found) + (bad is not None), limit, extra, steps, bad)
+
+
+def fitting_estimate(run: Callable[[int | None], Estimate], capacity: int) -> Estimate | None:
+    """``run(capacity)``, an estimate under a modelled allocator of ``capacity`` bytes, or ``None``
+    when it runs out of memory there."""
+    try:
+        return run(capacity)
+    except torch.OutOfMemoryError:
+        return None
 
 
 def search(fits: Callable[[int], bool], low: int, high: int | None) -> tuple[int, int | None]:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memlab._units import parse_size
 from memlab.estimate.copies import named_objects
 from memlab.estimate.estimate import _target, run_estimate
-from memlab.estimate.fit import default_budget, search
+from memlab.estimate.fit import default_budget, fitting_estimate, search
 
 __all__ = ["AutoBatched", "autobatch"]
 
@@ -150,21 +150,26 @@ class AutoBatched:
         return total
 
     def _fitting_size(self, leaves: list[Any], spec: Any, batched: list[bool], size: int) -> int:
-        """The largest micro-batch whose estimated forward and backward (with gradients already
-        accumulated) fits in the budget (1 when none does): doubling, then bisection, over
-        estimates of slices of this batch."""
+        """The largest micro-batch whose estimated forward and backward, two in a row with the
+        gradients already accumulated (as the micro-batch loop runs them), do not run out of
+        memory in a modelled allocator of the budget's size (1 when none fits): doubling, then
+        bisection, over estimates of slices of this batch."""
         device = _target(None, leaves)
         budget = self.budget if self.budget is not None else default_budget(device)
 
         def fits(micro: int) -> bool:
-            estimate = run_estimate(
-                self.loss_fn,
-                lambda: self._slices(leaves, spec, batched, 0, micro),
-                device,
-                with_grads=True,
-                backward=True,
-            )
-            return estimate.peak_reserved <= budget
+            def run(capacity: int | None) -> Any:
+                return run_estimate(
+                    self.loss_fn,
+                    lambda: self._slices(leaves, spec, batched, 0, micro),
+                    device,
+                    with_grads=True,
+                    backward=True,
+                    steps=2,
+                    capacity=capacity,
+                )
+
+            return fitting_estimate(run, budget) is not None
 
         return max(search(fits, 1, size)[0], 1)
 
@@ -220,8 +225,9 @@ def autobatch(
     after it as after a full-batch backward.
 
     The micro-batch size is ``micro_batch``, or the largest whose estimated forward and backward
-    (:func:`memlab.estimate`, data-free; with the gradients already accumulated) fits in
-    ``budget`` (bytes or a size such as ``"8 GiB"``; default: the GPU's free memory plus what this
+    (:func:`memlab.estimate`, data-free; two micro-batches in a row, with the gradients already
+    accumulated) run without running out of memory in a modelled allocator of ``budget`` bytes
+    (bytes or a size such as ``"8 GiB"``; default: the GPU's free memory plus what this
     process's allocator caches, or on CPU the active ``TensorTracker``'s capacity), estimated
     once per batch shape. If ``torch.OutOfMemoryError`` happens anyway (memory the estimate
     cannot see, or held outside ``loss_fn``), the gradients that existed before the step are

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import memlab
+from memlab._units import format_size
 from memlab.history import categories
 
 
@@ -32,44 +33,102 @@ def make_batch(size):
     return torch.randn(size, 512), torch.randint(0, 10, (size,))
 
 
-def tracked_peak_reserved(model, optimizer, step, size: int) -> int:
-    """A real run of the step at ``size`` on CPU, the arguments counted first as estimate counts them."""
+def trains(size: int, budget: int, steps: int = 3) -> bool:
+    """Whether ``steps`` real training steps at ``size``, on a new model, run on CPU under a tracker
+    whose modelled GPU has ``budget`` bytes without ``torch.OutOfMemoryError`` (the model,
+    optimizer and batch counted first, as estimate counts them)."""
+    model, optimizer, step = problem()
     x, y = make_batch(size)
-    with memlab.TensorTracker() as tracker:
-        tracker.adopt(roots=[model])
-        tracker.adopt(roots=[optimizer])
-        tracker.adopt(roots=[x, y], category=categories.INPUT)
-        step(x, y)
-        peak = tracker.max_memory_reserved()
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.state.clear()
-    return peak
+    try:
+        with memlab.TensorTracker(capacity=budget) as tracker:
+            tracker.adopt(roots=[model])
+            tracker.adopt(roots=[optimizer])
+            tracker.adopt(roots=[x, y], category=categories.INPUT)
+            for _ in range(steps):
+                step(x, y)
+    except torch.OutOfMemoryError:
+        return False
+    return True
 
 
-def test_the_answer_fits_and_one_more_does_not_in_tracked_runs():
+def test_the_answer_trains_for_three_steps_and_one_more_does_not():
     model, optimizer, step = problem()
     budget = 48 * 2**20
     fit = memlab.max_batch_size(step, make_batch, budget)
     size = fit.batch_size
-    assert size > 1
+    assert (fit.steps, fit.next_size) == (2, size + 1) and size > 1
+    assert trains(size, budget) and not trains(size + 1, budget)
     assert fit.estimate.peak_reserved <= budget < fit.next_estimate.peak_reserved
-    assert tracked_peak_reserved(model, optimizer, step, size) == fit.estimate.peak_reserved
-    assert tracked_peak_reserved(model, optimizer, step, size + 1) == fit.next_estimate.peak_reserved
-    # doubling up to the first size that does not fit, then bisection: O(log B) estimates
-    assert fit.estimates <= 2 * math.ceil(math.log2(size + 1)) + 1
+    assert fit.estimate.steps == 2
+    # doubling up to the first size that does not fit, then bisection: O(log B) estimates, and
+    # the estimate without a capacity of the size just above
+    assert fit.estimates <= 2 * math.ceil(math.log2(size + 1)) + 2
     # the user's model and optimizer are untouched
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
-    assert repr(fit).startswith(f"largest batch that fits in 48.00M: {size} (peak reserved ")
+    text = repr(fit)
+    assert text.startswith(f"largest batch that fits in 48.00M for 2 steps in a row: {size} (peak reserved ")
+    assert f"; {size + 1} needs " in repr(fit)
+
+
+def test_the_first_steps_answer_runs_out_of_memory_in_the_second_step():
+    """Step 1's peak (in backward) has no optimizer state yet; AdamW's state, two tensors the size
+    of the parameters, is alive in every later step. The first step's answer is too large."""
+    _, _, step = problem()
+    budget = 48 * 2**20
+    first = memlab.max_batch_size(step, make_batch, budget, steps=1)
+    steady = memlab.max_batch_size(step, make_batch, budget)
+    assert first.batch_size > steady.batch_size
+    assert trains(first.batch_size, budget, steps=1)
+    assert not trains(first.batch_size, budget, steps=2)
+    assert trains(steady.batch_size, budget, steps=3)
+
+
+def test_a_model_that_has_trained_keeps_its_state_in_the_answer():
+    model, optimizer, step = problem()
+    step(*make_batch(8))  # gradients and AdamW state exist now
+    grads = [p.grad.clone() for p in model.parameters()]
+    budget = 48 * 2**20
+    fit = memlab.max_batch_size(step, make_batch, budget)
+    assert fit.estimate.method == "fake"
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert [float(state["step"]) for state in optimizer.state.values()] == [1.0] * 4
+
+    def trains_warm(size: int) -> bool:
+        model, optimizer, step = problem()
+        step(*make_batch(8))
+        x, y = make_batch(size)
+        try:
+            with memlab.TensorTracker(capacity=budget) as tracker:
+                tracker.adopt(roots=[model])
+                tracker.adopt(roots=[optimizer])
+                tracker.adopt(roots=[x, y], category=categories.INPUT)
+                for _ in range(3):
+                    step(x, y)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    assert trains_warm(fit.batch_size) and not trains_warm(fit.batch_size + 1)
 
 
 def test_headroom_and_bounds():
     _, _, step = problem()
-    fit = memlab.max_batch_size(step, make_batch, "48 MiB")
-    with_headroom = memlab.max_batch_size(step, make_batch, "48 MiB", headroom=fit.estimate.peak_reserved)
+    one = memlab.estimate(step, *make_batch(1), steps=2).peak_reserved
+    with_headroom = memlab.max_batch_size(step, make_batch, "48 MiB", headroom=48 * 2**20 - one + 1)
     assert with_headroom.batch_size == 0 and with_headroom.estimate is None
-    assert with_headroom.next_estimate.peak_reserved == memlab.estimate(step, *make_batch(1)).peak_reserved
+    assert with_headroom.next_size == 1 and with_headroom.next_estimate.peak_reserved == one
+    assert repr(with_headroom).endswith(f": 0; 1 needs {format_size(one)}; 2 estimates")
     capped = memlab.max_batch_size(step, make_batch, "48 MiB", low=3, high=5)
-    assert (capped.batch_size, capped.next_estimate, capped.estimates) == (5, None, 2)
+    assert (capped.batch_size, capped.next_estimate, capped.next_size, capped.estimates) == (5, None, None, 2)
+
+
+def test_the_size_that_needs_the_bytes_is_the_one_named():
+    """A search whose ``low`` does not fit names ``low`` with its bytes, not batch 1."""
+    _, _, step = problem()
+    fit = memlab.max_batch_size(step, make_batch, "8 MiB", low=100_000)
+    needs = memlab.estimate(step, *make_batch(100_000), steps=2).peak_reserved
+    assert (fit.batch_size, fit.next_size) == (0, 100_000)
+    assert repr(fit).endswith(f": 0; 100000 needs {format_size(needs)}; 2 estimates")
 
 
 def test_default_budget_is_the_active_trackers_capacity():
@@ -94,3 +153,7 @@ def test_bad_arguments_are_typed_errors():
         memlab.max_batch_size(step, 3, "1 GiB")
     with pytest.raises(ValueError, match="budget 'big' is not a size"):
         memlab.max_batch_size(step, make_batch, "big")
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        memlab.max_batch_size(step, make_batch, "1 GiB", steps=0)
+    with pytest.raises(ValueError, match=r"headroom \(1.00G\) must be less than the budget \(1.00G\)"):
+        memlab.max_batch_size(step, make_batch, "1 GiB", headroom="1 GiB")

@@ -101,6 +101,28 @@ def test_inside_a_capacity_where_the_full_batch_fails_the_wrapped_step_fits():
         torch.testing.assert_close(param.grad, grad)
 
 
+def test_on_a_model_with_gradients_the_chosen_micro_batch_fits_and_one_more_does_not():
+    """The choice holds for the whole micro-batch loop (every micro-batch after the first runs with
+    the gradients of the ones before), and one more sample per micro-batch runs out of memory."""
+
+    def run(micro_batch):
+        model, loss_fn, x, y = big_step()
+        loss_fn(x[:16], y[:16]).backward()  # the model has gradients already
+        with memlab.TensorTracker(capacity="40 MiB") as tracker:
+            tracker.adopt(roots=[model, x, y])
+            wrapped = memlab.autobatch(loss_fn, budget="40 MiB", micro_batch=micro_batch)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrapped(x, y)
+        return wrapped.micro_batch_size, [str(w.message) for w in caught]
+
+    chosen, warned = run(None)
+    assert 1 < chosen < 8192 and warned == []
+    assert run(chosen) == (chosen, [])
+    _, warned = run(chosen + 1)
+    assert warned[0].startswith(f"autobatch: out of memory with micro-batches of {chosen + 1} (of 8192)")
+
+
 def test_out_of_memory_restores_gradients_halves_and_warns():
     model, loss_fn, x, y = big_step()
     _, expected = full_batch_gradients(model, loss_fn, x, y)
