@@ -47,7 +47,8 @@ class BatchFit:
         text = f"largest batch that fits in {format_size(self.budget)}"
         if self.headroom:
             text += f" with {format_size(self.headroom)} headroom"
-        text += f" for {self.steps} step{'s' if self.steps > 1 else ''} in a row: {self.batch_size}"
+        text += f" for {self.steps} steps in a row" if self.steps > 1 else " for 1 step"
+        text += f": {self.batch_size}"
         if self.estimate is not None:
             text += f" (peak reserved {format_size(self.estimate.peak_reserved)})"
         if self.next_estimate is not None:
