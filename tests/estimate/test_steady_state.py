@@ -241,3 +241,13 @@ def test_steps_must_be_a_positive_int():
         memlab.estimate(model, torch.randn(1, 2), steps=0)
     with pytest.raises(TypeError, match=r"steps must be an int, got float 2\.0"):
         memlab.estimate(model, torch.randn(1, 2), steps=2.0)
+
+
+def test_a_later_step_for_cuda_keeps_cudas_kernel_substitutions():
+    model, optimizer, x, y = setup("transformer", "adamw", 1)
+    before = snapshot(model, optimizer)
+    estimate = memlab.estimate(train_step, model, optimizer, x, y, device="cuda")
+    assert (estimate.method, estimate.forced_by) == ("fake", None)
+    assert estimate.substituted == {"scaled_dot_product_attention": 1, "dropout": 3, "optimizer_foreach": 1}
+    assert_same(before, snapshot(model, optimizer))
+    assert all(p.device.type == "cpu" for p in model.parameters())
