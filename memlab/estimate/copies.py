@@ -67,11 +67,12 @@ class Copier:
         """Drop every reference the copier holds to copies of tensors, so that each copy lives
         exactly as long as the copied structures (modules, optimizers, arguments) hold it, as the
         original does in the user's program: a step that sets gradients to ``None`` or replaces
-        optimizer state frees them at that moment. ``modules``, ``optimizers`` and ``inputs`` stay
-        (the caller holds those for the whole call, as the user does); nothing more can be copied."""
+        optimizer state or drops a global's tensor frees them at that moment. The lists of copies
+        made are emptied too; nothing more can be copied."""
         self._memo.clear()
         self._keep.clear()
-        self.copies.clear()
+        for made in (self.modules, self.optimizers, self.inputs, self.copies):
+            made.clear()
         self._copy_tensor = _released
 
     # -- structures -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import linecache
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -435,6 +436,7 @@ def run_estimate(
                 tracker.adopt(roots=copier.copies)
                 # One adoption, as the line that says where numbers come from reports it.
                 tracker.adoptions[:] = [tuple(map(sum, zip(*tracker.adoptions, strict=True)))]
+                optimizers = weakref.WeakSet(copier.optimizers)  # for the step counters' caveat
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
                 with profiler or contextlib.nullcontext():
@@ -467,7 +469,7 @@ def run_estimate(
         if tracker.forced_by is None:
             caveats += _outside_tensors(outside)
             if kernels is not None:
-                caveats += kernels.caveats + _host_step_counters(copier.optimizers)
+                caveats += kernels.caveats + _host_step_counters(list(optimizers))
     if tracker.forced_by is not None:  # the run read values fake tensors do not have
         if method == "cpu":
             raise AssertionError("a real CPU run cannot need values")  # pragma: no cover

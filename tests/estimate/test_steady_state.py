@@ -251,3 +251,17 @@ def test_a_later_step_for_cuda_keeps_cudas_kernel_substitutions():
     assert estimate.substituted == {"scaled_dot_product_attention": 1, "dropout": 3, "optimizer_foreach": 1}
     assert_same(before, snapshot(model, optimizer))
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_a_cached_tensor_the_step_drops_is_freed_at_that_moment():
+    namespace = {"torch": torch, "cache": torch.zeros(1024, 1024)}  # 4 MiB, held by a module global
+    exec(
+        "def step(x):\n    global cache\n    cache = None\n    return x @ x\n",
+        namespace,
+    )
+    estimate = memlab.estimate(namespace["step"], torch.randn(512, 512))
+    matrix = 512 * 512 * 4
+    # the cache is counted until the step drops it: the peak holds it and the input, not the product
+    assert estimate.peak_allocated == 4 * 2**20 + matrix
+    assert estimate.stats["allocated_bytes.all.current"] == 2 * matrix
+    assert namespace["cache"] is not None and namespace["cache"].shape == (1024, 1024)
