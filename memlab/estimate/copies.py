@@ -30,8 +30,9 @@ class Copier:
     """Copies objects with ``copy_tensor`` applied to each tensor, each object once (a tensor held
     twice, or a parameter held by a module and an optimizer, is copied once and shared).
 
-    ``modules``, ``optimizers`` and ``inputs`` list the copies made, in order: the tensors that are
-    not parameters, buffers or optimizer state are the call's inputs.
+    ``modules``, ``optimizers`` and ``inputs`` list the copies made, in order, until
+    :meth:`release`: the tensors that are not parameters, buffers or optimizer state are the
+    call's inputs.
     """
 
     def __init__(self, copy_tensor: Callable[[torch.Tensor], torch.Tensor]) -> None:
