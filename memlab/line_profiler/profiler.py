@@ -77,15 +77,19 @@ class LineProfiler(ByCountProfilerMixin):
     ``*.freed`` and event counters what happened inside it, ``*.current`` the value at its end.
     Calls made on the line, profiled or not, are inside it. Over several executions peaks take
     the max, sums add up and currents keep the last value; ``hits`` counts executions and
-    ``delta`` the net change of ``allocated_bytes.all.current``. The ``def`` line shows the state
-    at entry (peaks read the current value then).
+    ``delta`` the net change of ``allocated_bytes.all.current``. Sums count each allocation once
+    per line of the frame that made it or contains the call that made it: a recursive frame on a
+    line that an enclosing frame of the same function is also on adds nothing to it again. The
+    ``def`` line shows the state at entry (peaks read the current value then; a function written
+    on one line shows its body's row there, with the peaks at entry folded in).
 
     ``columns`` are the statistics recorded (any key of ``torch.cuda.memory_stats()``, see
     :data:`memlab.STAT_KEYS`, and ``"time"``: wall time in nanoseconds summed over hits, memlab's
     own overhead of about a microsecond per line included). Only recorded statistics can be
     displayed: each one recorded costs time on every profiled line, so they are chosen up front
     (here, ``@memlab.profile(columns=...)``, ``memlab run -c``, ``%mlrun -c``) or added with
-    :meth:`add_columns` before the next session.
+    :meth:`add_columns` before the next session. :meth:`display` and :meth:`print_stats` show the
+    columns asked for (``hits`` and ``delta`` included), in the order given.
 
     ``source`` says where the numbers come from (:mod:`memlab.sources.select`): ``None``/``"auto"``
     reads the GPU through ``CudaSource`` when ``target_gpu`` names a CUDA device that exists;
