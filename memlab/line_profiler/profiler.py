@@ -117,8 +117,10 @@ class LineProfiler(ByCountProfilerMixin):
     ) -> None:
         self._selector = SourceSelector(source)
         self._target = check_target(target_gpu)
-        recorded = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
+        asked = tuple(dict.fromkeys(validate_columns(columns)))
+        recorded = [c for c in asked if c not in EXTRA_COLUMNS]
         self._records = LineRecords(ColumnLayout(recorded or DEFAULT_COLUMNS))
+        self._shown = asked or DEFAULT_COLUMNS  # what display() shows by default: what was asked for
         self._wanted = self._records.layout
         self._tracer = Tracer(self._records.functions)
         self._lock = threading.RLock()
@@ -157,9 +159,12 @@ class LineProfiler(ByCountProfilerMixin):
 
     def add_columns(self, columns: str | Iterable[str]) -> None:
         """Record ``columns`` too: at once while the profiler is disabled, otherwise from the next
-        time it is enabled (rows recorded before read 0 for them)."""
-        new = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
+        time it is enabled (rows recorded before read 0 for them). :meth:`display` then shows them
+        by default, after the columns asked for before."""
+        asked = validate_columns(columns)
+        new = [c for c in asked if c not in EXTRA_COLUMNS]
         with self._lock:
+            self._shown = tuple(dict.fromkeys((*self._shown, *asked)))
             self._wanted = ColumnLayout((*self._wanted.keys, *new))
             if not self.enabled:
                 self._records.relayout(self._wanted)
@@ -316,10 +321,11 @@ class LineProfiler(ByCountProfilerMixin):
 
     def display(self, func: Any = None, columns: str | Iterable[str] | None = None) -> _display.LineStats:
         """The per-line statistics of ``func`` (default: every registered function) for ``columns``
-        (default: the recorded statistics, :data:`DEFAULT_COLUMNS` unless chosen otherwise), as an
-        object that prints as text (``repr``) and renders as HTML in notebooks. Byte columns print
-        as 1024-based sizes (``40.00K``); lines that never ran are blank."""
-        columns = self._records.layout.keys if columns is None else validate_columns(columns)
+        (default: the columns asked for, in their order: ``LineProfiler(columns=...)`` then
+        :meth:`add_columns`, ``hits`` and ``delta`` included; :data:`DEFAULT_COLUMNS` unless chosen
+        otherwise), as an object that prints as text (``repr``) and renders as HTML in notebooks.
+        Byte columns print as 1024-based sizes (``40.00K``); lines that never ran are blank."""
+        columns = self._shown if columns is None else validate_columns(columns)
         return _display.LineStats(self._tables(func, columns), columns, self.source_line())
 
     def source_line(self) -> str | None:
