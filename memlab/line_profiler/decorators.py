@@ -200,7 +200,8 @@ def set_target_gpu(gpu_id_or_device: Target) -> None:
     """Choose the device the decorators measure: an ``int`` GPU index, ``"cuda:1"``, ``"cpu"``,
     ``"meta"`` or a ``torch.device``. Callable anywhere, also inside profiled code; it applies
     from the next outermost call of a profiled function. Raises ``TypeError``/``ValueError``
-    listing the valid forms for anything else."""
+    listing the valid forms for anything else, and ``ValueError`` for a GPU that does not exist
+    here (``0``, the default, stands for the default device on a machine without a GPU)."""
     global_line_profiler().target_gpu = gpu_id_or_device
 
 

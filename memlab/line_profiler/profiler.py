@@ -97,9 +97,10 @@ class LineProfiler(ByCountProfilerMixin):
     entered, or the profiler's own, entered while it is enabled and kept between sessions, which
     first adopts the tensors that already exist (the model, optimizer state, the batch), as a GPU's
     numbers would include them. ``"cuda"`` and ``"tracker"`` force one; a ``MemorySource`` is used
-    as it is. An ``int`` target on a machine without a GPU measures the default device
-    (``torch.get_default_device()``); a CUDA device that does not exist is a ``ValueError``. Every
-    table starts with one line that says where its numbers come from.
+    as it is. An ``int`` target is a GPU index: ``0`` on a machine without a GPU measures the
+    default device (``torch.get_default_device()``); a GPU that does not exist (``7``,
+    ``"cuda:7"``) is a ``ValueError``. Every table starts with one line that says where its
+    numbers come from (and, where no tensor was made on the measured device, says so).
 
     What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
     cannot see: kernel workspaces, the CUDA context, NCCL buffers; at adoption, autograd's saved
