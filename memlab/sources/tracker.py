@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from memlab._devices import resolve_device
 from memlab._tensors import check_optimizer, live_storages, storages_of
@@ -102,6 +102,15 @@ class _Warmup(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _exit_left_behind() -> None:
+    """Take off torch's mode stack the trackers exited out of order that are now on its top."""
+    stack = _get_current_dispatch_mode_stack()
+    while stack and isinstance(stack[-1], TensorTracker) and stack[-1]._left_behind:
+        mode = stack.pop()
+        mode._left_behind = False
+        TorchDispatchMode.__exit__(mode, None, None, None)
+
+
 @functools.cache
 def _warm_up() -> None:
     with _Warmup():
@@ -143,6 +152,10 @@ class TensorTracker(TorchDispatchMode):
     (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), ``torch.cuda.empty_cache()``
     calls in the measured code, and backend choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
+
+    Trackers nest (the innermost one is :func:`active_tracker`). One exited before a mode entered
+    after it (out of order) counts nothing from then on; it stays on torch's mode stack, passing
+    every op through, until the modes above it are exited.
     """
 
     def __init__(
@@ -188,6 +201,8 @@ class TensorTracker(TorchDispatchMode):
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._hooks: list[Any] = []  # removable handles of the hooks that categorise, while active
         self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._counting = 0  # entries not exited yet: ops are counted while > 0
+        self._left_behind = False  # exited out of order, still on torch's mode stack
         if model is not None:
             self.add_model(model)
         if optimizer is not None:
@@ -196,7 +211,14 @@ class TensorTracker(TorchDispatchMode):
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> TensorTracker:
         _warm_up()
+        _exit_left_behind()
+        if self._left_behind:
+            raise RuntimeError(
+                "this TensorTracker was exited before a dispatch mode entered after it, which is still "
+                "active; exit that mode before entering the tracker again"
+            )
         super().__enter__()
+        self._counting += 1
         _active.append(self)
         if self.adopt_on_enter and not self.adoptions:
             self.adopt()
@@ -216,7 +238,13 @@ class TensorTracker(TorchDispatchMode):
             while self._hooks:
                 self._hooks.pop().remove()
         _active.remove(self)
+        self._counting -= 1
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is not self and any(mode is self for mode in stack):
+            self._left_behind = True  # exited out of order: taken off when the modes above it are
+            return
         super().__exit__(*exc_info)
+        _exit_left_behind()
 
     # -- categories -----------------------------------------------------------------------------
     def add_model(self, model: torch.nn.Module) -> None:
@@ -338,6 +366,8 @@ class TensorTracker(TorchDispatchMode):
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if not self._counting:
+            return out  # exited out of order, still on the mode stack: never count into it
         if self._pending:
             self._drain()
         kind = self._kinds.get(func)
