@@ -274,6 +274,16 @@ class TensorTracker(TorchDispatchMode):
             if self._saved_tensors_hooks is not None:
                 self._hook_optimizer(optimizer)
 
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The models given to :meth:`add_model` (or ``model=``) that are still alive, in order."""
+        return [model for model in (ref() for ref in self._models) if model is not None]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers given to :meth:`add_optimizer` (or ``optimizer=``) still alive, in order."""
+        return [optimizer for optimizer in (ref() for ref in self._optimizers) if optimizer is not None]
+
     def _hook_model(self, model: torch.nn.Module | None) -> None:
         if model is None:
             return
