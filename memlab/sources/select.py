@@ -132,7 +132,8 @@ class Selection:
     """An open memory source: ``source`` to sample, ``device`` to sample it for, ``close()`` to end
     its use, :meth:`describe` for the line that says where the numbers come from, and
     ``on_call`` (or ``None``): what to do at each outermost profiled call with its frame (an
-    adopting tracker adopts the tensors its arguments hold)."""
+    adopting tracker adopts the tensors its arguments, its function's globals and its callers'
+    locals hold)."""
 
     def __init__(
         self, source: Any, device: torch.device | None, close: Callable[[], None], fallback: bool
@@ -141,7 +142,7 @@ class Selection:
 
         self.source, self.device, self.close, self.fallback = source, device, close, fallback
         adopting = isinstance(source, TensorTracker) and source.adopt_on_enter
-        self.on_call: Callable[[FrameType], None] | None = source.adopt_arguments if adopting else None
+        self.on_call: Callable[[FrameType], None] | None = source.adopt_from_call if adopting else None
 
     def describe(self) -> str:
         """See :func:`describe_source` (read when asked: adoption counts grow between sessions)."""
@@ -167,7 +168,8 @@ class SourceSelector:
     or a ``MemorySource`` used as it is (a ``TensorTracker`` that is not entered is entered for
     each session). A tracker memlab creates is kept between sessions (memory
     a profiled call keeps is still counted at the next call); it adopts the tensors ``gc`` can
-    reach at its first session and, at every profiled call, those the call's arguments hold. A
+    reach at its first session and, at every profiled call, those the call's arguments, its
+    function's globals and its callers' local variables hold (:meth:`TensorTracker.adopt_from_call`). A
     tracker the user entered is used as it is.
     """
 

@@ -22,11 +22,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from memlab._devices import resolve_device
-from memlab._tensors import check_optimizer, live_storages, storages_of
+from memlab._tensors import call_roots, check_optimizer, live_storages, storages_of
 from memlab._units import parse_size
 from memlab.history import categories
 from memlab.history.export import allocator_snapshot
-from memlab.history.recorder import Stack, capture_stack, make_history
+from memlab.history.recorder import Stack, capture_stack, is_own_code, make_history
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 
@@ -133,8 +133,9 @@ class TensorTracker(TorchDispatchMode):
     result would not fit raises ``torch.OutOfMemoryError`` where the modelled GPU would.
     ``adopt=True`` counts, at the first entry, the tensors that already exist and that ``gc`` can
     reach (:meth:`adopt`), as a GPU's own numbers would include them; memlab's profilers enter
-    their trackers that way, and at each profiled call also adopt what its arguments hold (the
-    next batch, made between calls). With ``adopt=False`` (default) storages that existed before
+    their trackers that way, and at each profiled call also adopt what its arguments, its
+    function's globals and its callers' locals hold (the next batch, made between calls:
+    :meth:`adopt_from_call`). With ``adopt=False`` (default) storages that existed before
     entry are never counted.
 
     ``history=True`` (or an int ``max_entries``, a ring buffer) records every allocation and
@@ -408,12 +409,17 @@ class TensorTracker(TorchDispatchMode):
                     self._track(storage)
         return out
 
-    def adopt_arguments(self, frame: FrameType) -> None:
-        """:meth:`adopt` the tensors held by the arguments of the call that ``frame`` starts (the
-        line profiler calls it at each outermost profiled call, from its trace function, where an
-        exception would stop the user's program: an argument that cannot be read is skipped)."""
+    def adopt_from_call(self, frame: FrameType) -> None:
+        """:meth:`adopt` the tensors that the call ``frame`` starts can reach without walking
+        ``gc``: those its arguments hold (category ``input``), then those held by its function's
+        globals and by the local variables of the frames that called it (a tensor made between
+        two profiled calls and kept in a global, a model in the training loop's locals). The line
+        profiler calls it at each outermost profiled call, from its trace function, where an
+        exception would stop the user's program: what cannot be read is skipped."""
         with contextlib.suppress(Exception):
             self.adopt(roots=frame.f_locals.values(), category=categories.INPUT)
+        with contextlib.suppress(Exception):
+            self.adopt(roots=call_roots(frame, is_own_code))
 
     def adopt(
         self,

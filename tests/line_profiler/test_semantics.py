@@ -410,3 +410,31 @@ def test_tensors_alive_before_profiling_are_in_the_def_row_as_on_a_gpu():
     peaks = [row[1] for row in lp.to_dataframe(grow).itertuples(index=False)]
     assert peaks == [40_960 + 1024 + 2048, 40_960 + 1024 + 2048 + 1024]
     del layer, kept, batch
+
+
+held_by_a_global = None
+
+
+def uses_what_it_reaches(batch):
+    return batch.numel()
+
+
+def test_a_later_call_adopts_what_globals_and_callers_locals_hold():
+    global held_by_a_global
+    gc.collect()
+    lp = memlab.LineProfiler(
+        uses_what_it_reaches, target_gpu="meta", columns=("allocated_bytes.all.current",)
+    )
+    batch = torch.empty(1000, dtype=U8, device="meta")
+    with lp:
+        uses_what_it_reaches(batch)
+    at_first_call = lp.to_dataframe(uses_what_it_reaches).iloc[0, 1]
+    # Made between the calls: one held only by this module's global, one by this (calling) frame.
+    held_by_a_global = torch.empty(1 << 20, dtype=U8, device="meta")
+    held_by_the_caller = torch.empty(2048, dtype=U8, device="meta")
+    with lp:
+        uses_what_it_reaches(batch)
+    assert lp.to_dataframe(uses_what_it_reaches).iloc[0, 1] - at_first_call == (1 << 20) + 2048
+    assert lp.source_line().endswith(", 2 more were adopted at later calls")
+    held_by_a_global = None
+    del held_by_the_caller
