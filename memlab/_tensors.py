@@ -113,15 +113,19 @@ def call_roots(frame: FrameType, skip: Callable[[CodeType], bool]) -> list[objec
     the values of its function's globals and of the locals of every frame that called it
     (frames whose code ``skip`` names left out: torch's and memlab's own). Left out as well:
     modules (another module's tensors are reached through its own functions' globals),
-    functions, classes, numbers and strings, and memlab's own objects (a profiler, a tracker:
-    they hold no tensor of the user's)."""
-    roots = [value for value in frame.f_globals.values() if _may_hold_tensors(value)]
+    functions, classes, numbers and strings, memlab's own objects (a profiler, a tracker: they
+    hold no tensor of the user's) and dunder names (``__builtins__``, ``__spec__``...)."""
+    roots = _holders(frame.f_globals)
     caller = frame.f_back
     while caller is not None:
         if not skip(caller.f_code):
-            roots += [value for value in caller.f_locals.values() if _may_hold_tensors(value)]
+            roots += _holders(caller.f_locals)
         caller = caller.f_back
     return roots
+
+
+def _holders(names: dict[str, object]) -> list[object]:
+    return [value for name, value in names.items() if not name.startswith("__") and _may_hold_tensors(value)]
 
 
 _NO_TENSORS = frozenset((*_LEAVES, FunctionType, BuiltinFunctionType))
