@@ -11,7 +11,8 @@ adds the pytorch_memlab comparisons). It measures:
    statistics by the same tracker (target: at most 1/5);
 3. growth of the profiler's own memory over 1,000,000 profiled line events (target: under 1 MiB);
 4. cost per profiled call of adopting the tensors that exist: the first call walks ``gc`` (in
-   proportion to the objects alive), later calls only their arguments (no target: recorded).
+   proportion to the objects alive), later calls only what their arguments, globals and callers' locals
+   hold (no target: recorded).
 
 pytorch_memlab only traces when CUDA is available; here ``torch.cuda``'s statistics functions are
 replaced by the tracker's inside this process so that it does its per-event work on CPU.
@@ -281,8 +282,8 @@ def bench_adoption(report: Callable[[str], None]) -> None:
     later = best_of(lambda: lp.runcall(takes_batch, batch))
     report(
         f"4. per profiled call with {objects} objects alive: the first adopts what gc reaches in "
-        f"{first * 1e3:.1f} ms; later calls, which adopt what their arguments hold (8 tensors), cost "
-        f"{(later - plain) * 1e6:.0f} us each"
+        f"{first * 1e3:.1f} ms; later calls, which adopt what their arguments (8 tensors), globals and "
+        f"callers' locals hold, cost {(later - plain) * 1e6:.0f} us each"
     )
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from types import BuiltinFunctionType, CodeType, FrameType, FunctionType, ModuleType
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 __all__ = [
     "SPARSE_PARTS",
     "LiveStorage",
+    "call_roots",
     "check_optimizer",
     "live_storages",
     "live_tensors",
@@ -104,6 +106,36 @@ def tensors_within(roots: Iterable[object], depth: int = 4, breadth: int = 256) 
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None), type)
+
+
+def call_roots(frame: FrameType, skip: Callable[[CodeType], bool]) -> list[object]:
+    """What the call that ``frame`` runs can reach besides its arguments, for :func:`tensors_within`:
+    the values of its function's globals and of the locals of every frame that called it
+    (frames whose code ``skip`` names left out: torch's and memlab's own). Left out as well:
+    modules (another module's tensors are reached through its own functions' globals),
+    functions, classes, numbers and strings, memlab's own objects (a profiler, a tracker: they
+    hold no tensor of the user's) and dunder names (``__builtins__``, ``__spec__``...)."""
+    roots = _holders(frame.f_globals)
+    caller = frame.f_back
+    while caller is not None:
+        if not skip(caller.f_code):
+            roots += _holders(caller.f_locals)
+        caller = caller.f_back
+    return roots
+
+
+def _holders(names: dict[str, object]) -> list[object]:
+    return [value for name, value in names.items() if not name.startswith("__") and _may_hold_tensors(value)]
+
+
+_NO_TENSORS = frozenset((*_LEAVES, FunctionType, BuiltinFunctionType))
+
+
+def _may_hold_tensors(value: object) -> bool:
+    kind = type(value)
+    return not (
+        kind in _NO_TENSORS or isinstance(value, (type, ModuleType)) or kind.__module__.startswith("memlab.")
+    )
 
 
 def _children(obj: object) -> list[object] | tuple[object, ...]:

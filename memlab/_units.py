@@ -6,7 +6,7 @@ import math
 import re
 from decimal import Decimal
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["format_size", "format_sizes_apart", "parse_size"]
 
 _PRINT_UNITS = ("B", "K", "M", "G", "T", "P")
 
@@ -47,6 +47,21 @@ def format_size(num_bytes: float) -> str:
             return f"{value:.2f}{unit}"
         value /= 1024.0
     return f"{value:.2f}{_PRINT_UNITS[-1]}"
+
+
+def format_sizes_apart(*sizes: int) -> list[str]:
+    """:func:`format_size` of each of ``sizes`` (bytes), so that different sizes read different.
+
+    Where two different sizes would print the same (1 MiB and 1 MiB + 4 KiB are both ``1.00M``),
+    each of them gets its exact bytes too: ``1.00M (1,048,576 B)``, ``1.00M (1,052,672 B)``.
+    """
+    texts = [format_size(size) for size in sizes]
+    return [
+        f"{text} ({size:,} B)"
+        if any(other == text and other_size != size for other, other_size in zip(texts, sizes, strict=True))
+        else text
+        for text, size in zip(texts, sizes, strict=True)
+    ]
 
 
 def parse_size(size: int | str, *, name: str = "size") -> int:

@@ -32,12 +32,12 @@ from memlab._arguments import (
     check_snapshot_path,
     columns_shown,
 )
-from memlab._devices import parse_device, with_index
+from memlab._devices import parse_device
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
 from memlab.history.recording import snapshot_recorded
 from memlab.line_profiler import LineProfiler
 from memlab.reporter import MemReporter
-from memlab.sources.select import check_target
+from memlab.sources.select import check_target, measured_device
 from memlab.sources.tracker import TensorTracker
 
 __all__ = ["MemlabMagics", "load_ipython_extension"]
@@ -199,7 +199,7 @@ class MemlabMagics(Magics):
             raise UsageError(str(error)) from None
         recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if args.snapshot is not None or args.plot is not None:
-            device = with_index(parse_device(profiler.target_gpu))
+            device, _ = measured_device(profiler.target_gpu)
             tracker = TensorTracker(adopt=True, history=True)
             recording = snapshot_recorded(args.snapshot, device, tracker, args.plot)
         try:

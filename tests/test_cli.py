@@ -536,3 +536,20 @@ def test_run_snapshot_on_a_gpu_is_pytorchs_own(tmp_path: Path) -> None:
     allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
     assert [e["size"] for e in allocs] == [4096]
     assert {"filename": str(script), "line": 3, "name": "<module>"} in allocs[0]["frames"]
+
+
+def test_run_with_a_gpu_index_that_does_not_exist_is_one_line_not_the_cpu(script: Path, capsys: Any) -> None:
+    assert main(["run", "-g", "99", "-f", "work", str(script)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # the script did not run
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("memlab run: error: -g 99: no such GPU (this machine has ")
+
+
+def test_run_on_meta_of_a_cpu_script_says_why_every_byte_is_zero(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-g", "meta", "-f", "work", script) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "modelled: CUDA caching allocator replayed from meta tensors (memlab.TensorTracker); counted from "
+        "the program's first line; no tensor was made on meta, so every byte column is 0: the tensors were "
+        "on cpu (measure cpu to see them)"
+    )

@@ -321,3 +321,11 @@ def test_mlrun_plot_bad_path_is_a_usage_error(ip: Any, tmp_path: Path) -> None:
     with pytest.raises(UsageError) as error:
         ip.run_line_magic("mlrun", f"--plot {tmp_path}/out.pickle -f work work()")
     assert str(error.value) == f"--plot {tmp_path}/out.pickle: write to a file ending in .png, .svg, .pdf"
+
+
+def test_a_gpu_index_that_does_not_exist_is_a_usage_error_not_the_cpu(ip: Any) -> None:
+    run(ip, WORK_CELL)
+    with pytest.raises(UsageError) as error:
+        ip.run_line_magic("mlrun", "-g 99 -f work work()")
+    assert str(error.value).startswith("-g 99: no such GPU (this machine has ")
+    assert "\n" not in str(error.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 
+import memlab
 from memlab._tensors import (
     SPARSE_PARTS,
+    call_roots,
     live_storages,
     live_tensors,
     on_device,
@@ -197,3 +200,25 @@ def test_tensors_within_enters_modules_with_many_parameters():
     with torch.device("meta"):
         model = torch.nn.Sequential(*(torch.nn.Linear(1, 1) for _ in range(200)))
     assert len(tensors_within([model])) == 400
+
+
+def test_call_roots_are_the_functions_globals_and_the_callers_locals_that_may_hold_tensors():
+    held, kept, batch = torch.ones(3), torch.ones(2), [torch.ones(1)]
+    callee_globals = {
+        "__builtins__": __builtins__,
+        "torch": torch,
+        "sys": sys,
+        "held": held,
+        "helper": len,
+        "count": 3,
+        "Kind": int,
+        "tracker": memlab.TensorTracker(),
+        "call_roots": call_roots,
+        "skip": lambda code: code.co_filename not in ("<callee>", "<caller>"),
+    }
+    callee = "def callee():\n    return call_roots(sys._getframe(), skip)\n"
+    exec(compile(callee, "<callee>", "exec"), callee_globals)
+    caller_globals = {"callee": callee_globals["callee"]}
+    exec(compile("def caller(kept, batch, name):\n    return callee()\n", "<caller>", "exec"), caller_globals)
+    roots = caller_globals["caller"](kept, batch, "name")
+    assert [id(root) for root in roots] == [id(held), id(kept), id(batch)]  # nothing else, nothing twice

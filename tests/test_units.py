@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from memlab._units import format_size, parse_size
+from memlab._units import format_size, format_sizes_apart, parse_size
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,19 @@ def test_format_size_prints_1024_based_units_with_two_decimals(nbytes, text):
 
 def test_format_size_prints_nan_as_empty():
     assert format_size(math.nan) == ""
+
+
+@pytest.mark.parametrize(
+    ("sizes", "texts"),
+    [
+        ((1 << 20, (1 << 20) + 4096), ["1.00M (1,048,576 B)", "1.00M (1,052,672 B)"]),
+        ((1 << 20, 1 << 20), ["1.00M", "1.00M"]),  # equal sizes read equal: no bytes needed
+        ((1 << 20, 2 << 20), ["1.00M", "2.00M"]),
+        ((1023, 1024), ["1023.00B", "1.00K"]),
+        ((1024, 1029), ["1.00K (1,024 B)", "1.00K (1,029 B)"]),
+        ((1024, 1030), ["1.00K", "1.01K"]),
+        ((512, 512, 513), ["512.00B", "512.00B", "513.00B"]),
+    ],
+)
+def test_sizes_that_differ_never_read_the_same(sizes, texts):
+    assert format_sizes_apart(*sizes) == texts

@@ -31,7 +31,7 @@ from memlab._arguments import (
     check_snapshot_path,
     columns_shown,
 )
-from memlab._devices import cuda_device_exists, parse_device, with_index
+from memlab._devices import cuda_device_exists
 from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
@@ -39,7 +39,7 @@ from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
 from memlab.history.recording import snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
 from memlab.oom import explain_oom
-from memlab.sources.select import check_target
+from memlab.sources.select import check_target, measured_device
 from memlab.sources.tracker import TensorTracker
 
 __all__ = ["RunCommand", "profile_program"]
@@ -95,7 +95,7 @@ def _program_tracker(
     CUDA GPU PyTorch's own, recorded for the run. With ``plot`` (a path), its plot
     (:func:`memlab.plot_memory`) is written there too.
     """
-    device = with_index(parse_device(profiler.target_gpu))
+    device, _ = measured_device(profiler.target_gpu)
     recording = snapshot is not None or plot is not None
     tracker = TensorTracker(history=recording)
     tracker.counted_from = "the program's first line"

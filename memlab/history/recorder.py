@@ -60,6 +60,14 @@ def is_own_file(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_OWN_DIRS)
 
 
+def is_own_code(code: CodeType) -> bool:
+    """:func:`is_own_file` of ``code``'s file, remembered per code object (one dict lookup)."""
+    skip = _skipped.get(code)
+    if skip is None:
+        skip = _skipped[code] = is_own_file(code.co_filename)
+    return skip
+
+
 _frames: dict[Frame, Frame] = {}  # every distinct frame, stored once
 _stacks: dict[Stack, Stack] = {}  # every distinct stack, stored once
 
@@ -75,10 +83,7 @@ def capture_stack() -> Stack:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        skip = _skipped.get(code)
-        if skip is None:
-            skip = _skipped[code] = is_own_file(code.co_filename)
-        if not skip:
+        if not is_own_code(code):
             key = (code.co_filename, frame.f_lineno, code.co_name)
             frames.append(_frames.setdefault(key, key))
         frame = frame.f_back

@@ -37,12 +37,15 @@ class GlobalLineProfiler(LineProfiler):
     """The decorators' profiler: prints the ``@profile`` functions at exit once any of them ran.
 
     ``at_exit`` maps each ``@profile`` function to the columns of its exit report; a tool that
-    prints a function's table itself (``memlab run``) removes it there.
+    prints a function's table itself (``memlab run``) removes it there. ``leftovers`` maps each
+    ``@profile_every`` function to the function that prints its calls not reported yet (called
+    at exit, after the ``@profile`` tables).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.at_exit: dict[Any, tuple[str, ...]] = {}
+        self.leftovers: dict[Any, Callable[[], None]] = {}
         self._exit_registered = False
 
     def enable_by_count(self) -> None:
@@ -52,7 +55,9 @@ class GlobalLineProfiler(LineProfiler):
         super().enable_by_count()
 
     def print_at_exit(self) -> None:
-        """Print the statistics of every ``@profile`` function to ``sys.stdout``."""
+        """Print the statistics of every ``@profile`` function to ``sys.stdout``, then those of the
+        ``@profile_every`` calls not reported yet (each group once: printing again prints nothing
+        new)."""
         tables = []
         for func, columns in self.at_exit.items():
             stats = self.display(func, columns)
@@ -60,6 +65,8 @@ class GlobalLineProfiler(LineProfiler):
             tables.append(repr(stats))
         head = self.source_line()
         sys.stdout.write((f"{head}\n\n" if head and tables else "") + "\n\n".join(tables))
+        for print_rest in list(self.leftovers.values()):
+            print_rest()
 
 
 _global: GlobalLineProfiler | None = None
@@ -111,7 +118,8 @@ def profile_every(
     """Profile a function line by line and print its statistics every ``output_interval`` calls.
 
     Each report covers only the calls since the previous one and is headed with their range,
-    e.g. ``## step (calls 3-4)``; calls left over at exit are not printed. A call of a generator
+    e.g. ``## step (calls 3-4)``; the calls left over when the interpreter exits (the fifth of
+    five with ``output_interval=2``) are printed then, once, as ``## step (call 5)``. A call of a generator
     or coroutine function ends when it is exhausted or awaited. ``enable=False`` (or
     ``MEMLAB_PROFILE=0``) returns the function unchanged, so the decorator can stay in the code.
     Numbers are those of :class:`memlab.LineProfiler`, written to ``sys.stdout`` as it is at the
@@ -130,19 +138,29 @@ def profile_every(
         profiler.add_function(func)
         profiler.add_columns(columns)
         profiled = profiler.wrap_callable(func)
-        calls = 0
+        calls = reported = 0
 
-        def report() -> None:
-            nonlocal calls
-            calls += 1
-            if calls % output_interval:
+        def print_calls() -> None:
+            """Print the calls since the last report, if any (and not cleared), and start a new group."""
+            nonlocal reported
+            if calls == reported:
                 return
             stats = profiler.display(func, columns)
-            first = calls - output_interval + 1
+            first, reported = reported + 1, calls
+            if not any(table.calls for table in stats.tables):
+                return  # clear_global_line_profiler() forgot them
             for table in stats.tables:
                 table.name += f" (calls {first}-{calls})" if first != calls else f" (call {calls})"
             sys.stdout.write(repr(stats) + "\n")  # a blank line between consecutive reports
             profiler.clear(func)
+
+        profiler.leftovers[func] = print_calls
+
+        def report() -> None:
+            nonlocal calls
+            calls += 1
+            if calls % output_interval == 0:
+                print_calls()
 
         if inspect.isgeneratorfunction(func):
 
@@ -182,7 +200,8 @@ def set_target_gpu(gpu_id_or_device: Target) -> None:
     """Choose the device the decorators measure: an ``int`` GPU index, ``"cuda:1"``, ``"cpu"``,
     ``"meta"`` or a ``torch.device``. Callable anywhere, also inside profiled code; it applies
     from the next outermost call of a profiled function. Raises ``TypeError``/``ValueError``
-    listing the valid forms for anything else."""
+    listing the valid forms for anything else, and ``ValueError`` for a GPU that does not exist
+    here (``0``, the default, stands for the default device on a machine without a GPU)."""
     global_line_profiler().target_gpu = gpu_id_or_device
 
 

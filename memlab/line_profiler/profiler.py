@@ -77,15 +77,19 @@ class LineProfiler(ByCountProfilerMixin):
     ``*.freed`` and event counters what happened inside it, ``*.current`` the value at its end.
     Calls made on the line, profiled or not, are inside it. Over several executions peaks take
     the max, sums add up and currents keep the last value; ``hits`` counts executions and
-    ``delta`` the net change of ``allocated_bytes.all.current``. The ``def`` line shows the state
-    at entry (peaks read the current value then).
+    ``delta`` the net change of ``allocated_bytes.all.current``. Sums count each allocation once
+    per line of the frame that made it or contains the call that made it: a recursive frame on a
+    line that an enclosing frame of the same function is also on adds nothing to it again. The
+    ``def`` line shows the state at entry (peaks read the current value then; a function written
+    on one line shows its body's row there, with the peaks at entry folded in).
 
     ``columns`` are the statistics recorded (any key of ``torch.cuda.memory_stats()``, see
     :data:`memlab.STAT_KEYS`, and ``"time"``: wall time in nanoseconds summed over hits, memlab's
     own overhead of about a microsecond per line included). Only recorded statistics can be
     displayed: each one recorded costs time on every profiled line, so they are chosen up front
     (here, ``@memlab.profile(columns=...)``, ``memlab run -c``, ``%mlrun -c``) or added with
-    :meth:`add_columns` before the next session.
+    :meth:`add_columns` before the next session. :meth:`display` and :meth:`print_stats` show the
+    columns asked for (``hits`` and ``delta`` included), in the order given.
 
     ``source`` says where the numbers come from (:mod:`memlab.sources.select`): ``None``/``"auto"``
     reads the GPU through ``CudaSource`` when ``target_gpu`` names a CUDA device that exists;
@@ -93,9 +97,10 @@ class LineProfiler(ByCountProfilerMixin):
     entered, or the profiler's own, entered while it is enabled and kept between sessions, which
     first adopts the tensors that already exist (the model, optimizer state, the batch), as a GPU's
     numbers would include them. ``"cuda"`` and ``"tracker"`` force one; a ``MemorySource`` is used
-    as it is. An ``int`` target on a machine without a GPU measures the default device
-    (``torch.get_default_device()``); a CUDA device that does not exist is a ``ValueError``. Every
-    table starts with one line that says where its numbers come from.
+    as it is. An ``int`` target is a GPU index: ``0`` on a machine without a GPU measures the
+    default device (``torch.get_default_device()``); a GPU that does not exist (``7``,
+    ``"cuda:7"``) is a ``ValueError``. Every table starts with one line that says where its
+    numbers come from (and, where no tensor was made on the measured device, says so).
 
     What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
     cannot see: kernel workspaces, the CUDA context, NCCL buffers; at adoption, autograd's saved
@@ -113,8 +118,10 @@ class LineProfiler(ByCountProfilerMixin):
     ) -> None:
         self._selector = SourceSelector(source)
         self._target = check_target(target_gpu)
-        recorded = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
+        asked = tuple(dict.fromkeys(validate_columns(columns)))
+        recorded = [c for c in asked if c not in EXTRA_COLUMNS]
         self._records = LineRecords(ColumnLayout(recorded or DEFAULT_COLUMNS))
+        self._shown = asked or DEFAULT_COLUMNS  # what display() shows by default: what was asked for
         self._wanted = self._records.layout
         self._tracer = Tracer(self._records.functions)
         self._lock = threading.RLock()
@@ -153,9 +160,12 @@ class LineProfiler(ByCountProfilerMixin):
 
     def add_columns(self, columns: str | Iterable[str]) -> None:
         """Record ``columns`` too: at once while the profiler is disabled, otherwise from the next
-        time it is enabled (rows recorded before read 0 for them)."""
-        new = [c for c in validate_columns(columns) if c not in EXTRA_COLUMNS]
+        time it is enabled (rows recorded before read 0 for them). :meth:`display` then shows them
+        by default, after the columns asked for before."""
+        asked = validate_columns(columns)
+        new = [c for c in asked if c not in EXTRA_COLUMNS]
         with self._lock:
+            self._shown = tuple(dict.fromkeys((*self._shown, *asked)))
             self._wanted = ColumnLayout((*self._wanted.keys, *new))
             if not self.enabled:
                 self._records.relayout(self._wanted)
@@ -312,10 +322,11 @@ class LineProfiler(ByCountProfilerMixin):
 
     def display(self, func: Any = None, columns: str | Iterable[str] | None = None) -> _display.LineStats:
         """The per-line statistics of ``func`` (default: every registered function) for ``columns``
-        (default: the recorded statistics, :data:`DEFAULT_COLUMNS` unless chosen otherwise), as an
-        object that prints as text (``repr``) and renders as HTML in notebooks. Byte columns print
-        as 1024-based sizes (``40.00K``); lines that never ran are blank."""
-        columns = self._records.layout.keys if columns is None else validate_columns(columns)
+        (default: the columns asked for, in their order: ``LineProfiler(columns=...)`` then
+        :meth:`add_columns`, ``hits`` and ``delta`` included; :data:`DEFAULT_COLUMNS` unless chosen
+        otherwise), as an object that prints as text (``repr``) and renders as HTML in notebooks.
+        Byte columns print as 1024-based sizes (``40.00K``); lines that never ran are blank."""
+        columns = self._shown if columns is None else validate_columns(columns)
         return _display.LineStats(self._tables(func, columns), columns, self.source_line())
 
     def source_line(self) -> str | None:

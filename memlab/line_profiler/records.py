@@ -132,6 +132,16 @@ class ColumnLayout:
         for i in range(len(self.currents)):
             row[start + i] = sample[offset + i]
 
+    def merge_entry(self, entry: list[int], body: list[int]) -> list[int]:
+        """The row of a line that is both the ``def`` line and a body line (a function written on
+        one line): the body's row, whose interval starts at the entry, with the peaks at entry
+        folded in (the higher of the two)."""
+        merged = list(body)
+        for i in range(1, 1 + len(self.peaks)):
+            if entry[i] > merged[i]:
+                merged[i] = entry[i]
+        return merged
+
     def convert(self, row: list[int], old: ColumnLayout) -> list[int]:
         """``row`` recorded under ``old`` rearranged for this layout; new statistics read 0."""
         new = self.new_row()
@@ -204,7 +214,9 @@ class FunctionRecord:
         index = self.layout.row_index
         rows = {**self.rows}
         if ENTRY in rows:
-            rows[_def_line(self.code)] = rows.pop(ENTRY)
+            entry, line = rows.pop(ENTRY), _def_line(self.code)
+            body = rows.get(line)  # a one-line function: its body runs on the def line
+            rows[line] = entry if body is None else self.layout.merge_entry(entry, body)
         first, source = self.source_lines()
         lines = []
         for offset, text in enumerate(source):

@@ -5,7 +5,10 @@
 function that was installed before (a debugger, coverage, another profiler) is chained: it is
 called for every frame, memlab's or not, and for frames memlab traces its local tracer is called
 after memlab's own work. State lives in the local tracer (one closure per frame), so recursion,
-generators and coroutines are per frame.
+generators and coroutines are per frame. A line's sums (``*.allocated``, ``*.freed``, ``delta``,
+``time``) count what happens once, however many frames of the function are inside that line at
+once (a recursive call): an interval nested in an enclosing frame's interval on the same line
+adds nothing there, since the enclosing one holds it whole.
 
 The local tracer runs on every line event, so it is generated for the column layout with the
 updates unrolled: one sampler call, a few comparisons and list stores per event.
@@ -28,10 +31,13 @@ TraceFunction = Callable[[FrameType, str, Any], Any]
 Sampler = Callable[[], tuple[int, ...]]
 
 
-def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
+def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool) -> str:
     """Python source of ``make_local(...)`` specialised for ``layout`` (see :func:`_local_factory`).
 
     ``nested``: the frame has a profiled caller, to which it posts the highest peaks of its life.
+    ``recursive``: a profiled caller up the stack runs the same function; the sums of an interval
+    whose row is one an enclosing frame is in (``outer``: the ids of those rows) are already
+    inside that frame's interval, so they are not added again.
     """
     n_peaks, n_sums = len(layout.peaks), len(layout.sums)
     n_values = len(layout.sample_keys)
@@ -47,11 +53,12 @@ def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
         close += [f"if v{i} > row[{1 + i}]: row[{1 + i}] = v{i}" for i in peaks]
         if nested:
             close += [f"if v{i} > life[{i}]: life[{i}] = v{i}" for i in peaks]
-    close += [f"row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
     close += [f"row[{1 + j}] = v{j}" for j in currents]
-    close += [f"row[{layout.row_index[DELTA]}] += v{summed[-1]} - s{summed[-1]}"]
+    sums = [f"row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
+    sums += [f"row[{layout.row_index[DELTA]}] += v{summed[-1]} - s{summed[-1]}"]
     if layout.timed:
-        close += [f"row[{layout.row_index[TIME]}] += t - clock"]
+        sums += [f"row[{layout.row_index[TIME]}] += t - clock"]
+    close += ["if id(row) not in outer:", *("    " + line for line in sums)] if recursive else sums
     on_line = [
         *close,
         "try:",
@@ -73,7 +80,7 @@ def _local_factory_source(layout: ColumnLayout, nested: bool) -> str:
 
     life = f"[{', '.join('0' for _ in peaks)}]" if nested else "None"
     return f"""
-def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock):
+def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock, parent, outer):
     {starts}, = [start[j] for j in {tuple(summed)!r}]
     life = {life}
 
@@ -93,12 +100,14 @@ def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box,
     local.memlab_box = box
     local.memlab_rows = rows
     local.memlab_state = lambda: row
+    local.memlab_parent = parent
     return local
 """
 
 
-def _local_factory(layout: ColumnLayout, nested: bool) -> Callable[..., TraceFunction]:
-    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock)``.
+def _local_factory(layout: ColumnLayout, nested: bool, recursive: bool) -> Callable[..., TraceFunction]:
+    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock,
+    parent, outer)``.
 
     It returns the local tracer of one frame. On a ``line`` or ``return`` event the tracer samples
     the source once and closes the interval of the current line into ``row``: peaks (folded with
@@ -109,10 +118,13 @@ def _local_factory(layout: ColumnLayout, nested: bool) -> Callable[..., TraceFun
     ``parent_box``, the box of the nearest profiled caller, since everything this frame did
     happened inside the caller's line. ``other`` is a chained tool's local tracer for the same
     frame, called after memlab's work. With a ``time`` column, ``clock`` is the
-    ``time.perf_counter_ns()`` at which the first interval started.
+    ``time.perf_counter_ns()`` at which the first interval started. ``parent`` is the local tracer
+    of the nearest profiled caller (``None`` without one); with ``recursive``, ``outer`` holds the
+    ids of the rows that enclosing frames of the same function are in, whose sums this frame's
+    intervals on those rows leave alone (see :func:`_local_factory_source`).
     """
     namespace: dict[str, Any] = {"now": time.perf_counter_ns}
-    source = _local_factory_source(layout, nested)
+    source = _local_factory_source(layout, nested, recursive)
     exec(compile(source, f"<memlab local tracer {layout.keys}>", "exec"), namespace)
     return namespace["make_local"]
 
@@ -138,7 +150,8 @@ class Tracer:
         self.entry_sample: Sampler | None = None
         self.on_call: Callable[[FrameType], object] | None = None
         self._layout: ColumnLayout | None = None
-        self._make_local: tuple[Callable[..., TraceFunction], Callable[..., TraceFunction]] | None = None
+        # make_local per (nested, recursive): see _local_factory
+        self._make_local: dict[tuple[bool, bool], Callable[..., TraceFunction]] = {}
         self._thread_hook: TraceFunction | None = None
         self._thread_hook_live: list[bool] = [False]
         self._previous_thread_hook: TraceFunction | None = None
@@ -159,7 +172,8 @@ class Tracer:
         self.on_call = on_call
         if layout != self._layout:
             self._layout = layout
-            self._make_local = (_local_factory(layout, False), _local_factory(layout, True))
+            variants = ((False, False), (True, False), (True, True))
+            self._make_local = {variant: _local_factory(layout, *variant) for variant in variants}
         self.sample, self.entry_sample = sample, entry_sample
         self._previous_thread_hook = threading.gettrace()
         self._thread_hook_live = [True]
@@ -224,21 +238,23 @@ class Tracer:
         trace.memlab_previous = previous  # type: ignore[attr-defined]
         return trace
 
-    def _parent_box(self, frame: FrameType) -> list[Any] | None:
+    def _parent(self, frame: FrameType) -> TraceFunction | None:
+        """The local tracer of the nearest caller of ``frame`` that this tracer traces, if any."""
         owner = self._owner
         caller = frame.f_back
         while caller is not None:
             local = caller.f_trace
             if local is not None and getattr(local, "memlab_owner", None) is owner:
-                return local.memlab_box  # type: ignore[attr-defined,no-any-return]
+                return local  # type: ignore[no-any-return]
             caller = caller.f_back
         return None
 
     def _enter(self, frame: FrameType, record: FunctionRecord, other: TraceFunction | None) -> TraceFunction:
         """A call of (or a resumption into) a registered code object."""
         sample, layout = self.sample, self._layout
-        assert sample is not None and layout is not None and self._make_local is not None
-        parent_box = self._parent_box(frame)
+        assert sample is not None and layout is not None and self._make_local
+        parent = self._parent(frame)
+        parent_box = None if parent is None else parent.memlab_box  # type: ignore[attr-defined]
         if parent_box is None and self.on_call is not None:
             self.on_call(frame)
         start = sample()
@@ -252,7 +268,14 @@ class Tracer:
                     if value > box[i]:
                         box[i] = value
         rows = record.rows
-        make_local = self._make_local[parent_box is not None]
+        # The rows enclosing frames of this function are in (they stay there while this one runs).
+        outer: set[int] = set()
+        above = parent
+        while above is not None:
+            if above.memlab_rows is rows:  # type: ignore[attr-defined]
+                outer.add(id(above.memlab_state()))  # type: ignore[attr-defined]
+            above = above.memlab_parent  # type: ignore[attr-defined]
+        make_local = self._make_local[parent is not None, bool(outer)]
         resumed = frame.f_trace
         if getattr(resumed, "memlab_owner", None) is self._owner and resumed.memlab_rows is rows:  # type: ignore[union-attr]
             # A generator or coroutine resumed: continue the line it stopped on, in a new local
@@ -267,5 +290,16 @@ class Tracer:
             row = layout.new_row()  # the moment between the call and the first line belongs to no row
         clock = time.perf_counter_ns() if layout.timed else 0
         return make_local(
-            rows, layout.new_row, sample, row, start, parent_box, other, self._owner, box, clock
+            rows,
+            layout.new_row,
+            sample,
+            row,
+            start,
+            parent_box,
+            other,
+            self._owner,
+            box,
+            clock,
+            parent,
+            outer,
         )

@@ -23,7 +23,7 @@ import torch
 
 from memlab._tensors import live_tensors
 from memlab.history import categories
-from memlab.history.recorder import Frame, Stack, capture_stack, is_own_file
+from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
 from memlab.sources.allocator.config import allocation_size, round_size
 
 __all__ = [
@@ -149,25 +149,32 @@ def _culprits(
     device_model: str | None,
     failing: torch.UntypedStorage | None = None,
 ) -> list[Culprit]:
-    """The largest live tensors on ``device`` as :class:`memlab.MemReporter` names them (a model
-    and optimizers among the call's arguments name parameters, gradients and optimizer state;
-    other tensors that a local variable of a frame on the stack holds get the variable's name),
-    leaving out the tensors of the ``failing`` storage (a tracked op's output exists on the
-    tracker's real device when its modelled allocation fails)."""
+    """The largest live tensors on ``device`` as :class:`memlab.MemReporter` names them (the model
+    names parameters, gradients and buffers: the first among the call's arguments, else the first
+    the tracker knows (:meth:`~memlab.TensorTracker.add_model`), else the first a local variable
+    of a frame on the stack holds, innermost first; optimizers found the same ways name optimizer
+    state; other tensors that a local variable holds get the variable's name), leaving out the
+    tensors of the ``failing`` storage (a tracked op's output exists on the tracker's real device
+    when its modelled allocation fails)."""
     from memlab.reporter import MemReporter
 
-    roots = () if call is None else (*call.args, *call.kwargs.values())
-    model = next((arg for arg in roots if isinstance(arg, torch.nn.Module)), None)
+    stack_locals = _stack_locals()
+    roots = [
+        *(() if call is None else (*call.args, *call.kwargs.values())),
+        *(() if tracker is None else (*tracker.models, *tracker.optimizers)),
+        *(value for _, value in stack_locals),
+    ]
+    model = next((root for root in roots if isinstance(root, torch.nn.Module)), None)
     reporter = MemReporter(model, device_model=device_model, tracker=tracker)
-    for arg in roots:
-        if isinstance(arg, torch.optim.Optimizer):
-            reporter.add_optimizer(arg)
+    for root in roots:
+        if isinstance(root, torch.optim.Optimizer):
+            reporter.add_optimizer(root)
     records = reporter.snapshot().select(str(device), verbose=False)
     anonymous = [(entry[0](), entry[2]) for entry in reporter._anonymous.values()]
     if failing is not None:
         names = {name for tensor, name in anonymous if _holds(tensor, failing)}
         records = [r for r in records if r.name not in names]
-    local = _local_names()
+    local = _local_names(stack_locals)
     renamed = {name: local[id(tensor)] for tensor, name in anonymous if id(tensor) in local}
     records = [r._replace(name=renamed.get(r.name, r.name)) for r in records]
     records = sorted((r for r in records if r.memory), key=lambda r: -r.memory)
@@ -177,17 +184,24 @@ def _culprits(
     ]
 
 
-def _local_names() -> dict[int, str]:
-    """``id(tensor) -> variable name`` for the tensors held by local variables (arguments
-    included) of the frames on the stack outside torch and memlab, the innermost frame first."""
-    names: dict[int, str] = {}
+def _stack_locals() -> list[tuple[str, Any]]:
+    """``(name, value)`` of the local variables (arguments included) of the frames on the stack
+    outside torch and memlab, the innermost frame first."""
+    found: list[tuple[str, Any]] = []
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        if not is_own_file(frame.f_code.co_filename):
-            for name, value in frame.f_locals.items():
-                if isinstance(value, torch.Tensor) and id(value) not in names:
-                    names[id(value)] = name
+        if not is_own_code(frame.f_code):
+            found += frame.f_locals.items()
         frame = frame.f_back
+    return found
+
+
+def _local_names(stack_locals: list[tuple[str, Any]]) -> dict[int, str]:
+    """``id(tensor) -> variable name`` for the tensors among ``stack_locals``, the first name kept."""
+    names: dict[int, str] = {}
+    for name, value in stack_locals:
+        if isinstance(value, torch.Tensor) and id(value) not in names:
+            names[id(value)] = name
     return names
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from memlab._units import format_size, parse_size
+from memlab._units import format_size, format_sizes_apart, parse_size
 
 if TYPE_CHECKING:
     from memlab.pytest_plugin.measure import Measurement, Site
@@ -113,9 +113,10 @@ def check_memory(limit: MemoryLimit, measurement: Measurement, root: str | None 
     peak = measurement.peak(limit.metric)
     if peak <= limit.limit:
         return None
+    limited, peaked = format_sizes_apart(limit.limit, peak)
     head = (
-        f"Test was limited to {format_size(limit.limit)} of {limit.metric} tensor memory "
-        f"but peaked at {format_size(peak)} on {measurement.device}"
+        f"Test was limited to {limited} of {limit.metric} tensor memory "
+        f"but peaked at {peaked} on {measurement.device}"
     )
     return "\n".join([head, *_site_lines(measurement.peak_sites(limit.metric), "held at the peak", root)])
 
@@ -126,9 +127,10 @@ def check_leaks(limit: LeakLimit, measurement: Measurement, root: str | None = N
     each surviving tensor was allocated (``root`` as in :func:`check_memory`)."""
     if measurement.leaked <= limit.limit:
         return None
+    limited, leaked = format_sizes_apart(limit.limit, measurement.leaked)
     head = (
-        f"Test was limited to {format_size(limit.limit)} of leaked tensor memory "
-        f"but {format_size(measurement.leaked)} was still allocated at its end on {measurement.device}"
+        f"Test was limited to {limited} of leaked tensor memory "
+        f"but {leaked} was still allocated at its end on {measurement.device}"
     )
     return "\n".join([head, *_site_lines(measurement.leak_sites(), "still alive", root)])
 

@@ -7,9 +7,12 @@ The rule, the same for the line profiler, the magics, the command line and the r
 - anything else is modelled by a :class:`~memlab.sources.tracker.TensorTracker` replaying the
   tensors of the measured device through the CUDA caching allocator model: the tracker the user
   entered, or one memlab enters, which adopts the tensors that exist already (:meth:`adopt`);
-- an ``int`` target (``target_gpu=0``, pytorch_memlab's default) on a machine without any CUDA
-  GPU measures torch's default device, and the line says so; a CUDA device named explicitly that
-  does not exist is a ``ValueError``, never a silent substitution.
+- an ``int`` target is a GPU index: ``0`` (``target_gpu=0``, pytorch_memlab's default) on a
+  machine without any CUDA GPU measures torch's default device, and the line says so; any GPU that
+  does not exist here (``7``, ``"cuda:7"``) is a ``ValueError``, never a silent substitution.
+
+:func:`measured_device` is that rule; every entry point that takes a target (``LineProfiler``,
+``set_target_gpu``, ``memlab run -g``, ``%mlrun -g``) checks it through :func:`check_target`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "SourceSelector",
     "check_target",
     "describe_source",
+    "measured_device",
     "open_source",
 ]
 
@@ -38,33 +42,44 @@ SOURCE_FORMS = "None or 'auto', 'cuda', 'tracker', or an object with memory_stat
 
 
 def check_target(target: Target, *, name: str = "target_gpu") -> torch.device | int:
-    """A target device checked early: an ``int`` stays an ``int`` (it may mean "the default device"
-    on a machine without a GPU, decided when profiling starts), anything else becomes a
+    """A target device checked early: an ``int`` stays an ``int`` (``0`` may mean "the default
+    device" on a machine without a GPU, decided when profiling starts), anything else becomes a
     ``torch.device`` this machine can use. Raises ``TypeError``/``ValueError`` naming the valid
-    forms, or saying that the GPU asked for does not exist here."""
+    forms, or saying that the GPU asked for does not exist here (see :func:`measured_device`)."""
     if isinstance(target, str) and target.strip().isdigit():
         target = int(target)
     device = parse_device(target, name=name)
     if isinstance(target, int):
-        if torch.cuda.is_available():
-            require_usable(device, name=name)
+        measured_device(target, name=name)
         return target
     return require_usable(device, name=name)
 
 
-def _measured(target: torch.device | int) -> tuple[torch.device, bool]:
-    """(device measured, whether an int target fell back to the default device: no GPU here)."""
+def measured_device(target: torch.device | int, *, name: str = "target_gpu") -> tuple[torch.device, bool]:
+    """The device a target measures, and whether it is the default device standing in for GPU 0.
+
+    An ``int`` is a CUDA GPU index: ``0`` on a machine without any CUDA GPU is torch's default
+    device (``torch.get_default_device()``, read now), ``(device, True)``; a GPU that does not
+    exist here is a ``ValueError`` naming ``name``. Anything else is the device itself, with an
+    index (``cuda`` is ``cuda:0``), when this machine can use it."""
     if isinstance(target, int):
-        if not torch.cuda.is_available():
+        if target == 0 and not torch.cuda.is_available():
             return with_index(torch.get_default_device()), True
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{name} {target}: no such GPU (this machine has no CUDA GPU; only index 0, the default, "
+                "stands for the default device without one); use 0, 'cpu' or 'meta' to model one"
+            )
         target = torch.device("cuda", target)
-    return with_index(require_usable(target, name="target_gpu")), False
+    return with_index(require_usable(target, name=name)), False
 
 
 def describe_source(source: Any, device: torch.device | None, fallback: bool = False) -> str:
     """The line that says where numbers come from, e.g. ``measured on cuda:0
     (torch.cuda.memory_stats)`` or ``modelled: CUDA caching allocator replayed from cpu tensors
-    (memlab.TensorTracker); 2 tensor storages (40.50K) existed before profiling``."""
+    (memlab.TensorTracker); 2 tensor storages (40.50K) existed before profiling``. When a tracker
+    counted tensors, but none on ``device`` (``target_gpu="meta"`` on a program that works on the
+    CPU), it says so and names the devices it did count tensors on."""
     from memlab.sources.cuda import CudaSource
     from memlab.sources.tracker import TensorTracker
 
@@ -94,7 +109,19 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
         text += f"; counted from {source.counted_from}"
     elif not source.adopt_on_enter:
         text += "; tensors made before the tracker was entered are not counted"
+    elsewhere = [] if device is None else _only_elsewhere(source, device)
+    if elsewhere:
+        text += (
+            f"; no tensor was made on {device}, so every byte column is 0: the tensors were on "
+            f"{', '.join(map(str, elsewhere))} (measure {elsewhere[0]} to see them)"
+        )
     return text
+
+
+def _only_elsewhere(tracker: Any, device: torch.device) -> list[torch.device]:
+    """The devices ``tracker`` counted tensors on, when it counted none on ``device`` (else [])."""
+    counted = [d for d in tracker.devices if tracker.memory_stats(d)["allocated_bytes.all.allocated"]]
+    return [] if device in counted else counted
 
 
 def _storages(count: int) -> str:
@@ -105,7 +132,8 @@ class Selection:
     """An open memory source: ``source`` to sample, ``device`` to sample it for, ``close()`` to end
     its use, :meth:`describe` for the line that says where the numbers come from, and
     ``on_call`` (or ``None``): what to do at each outermost profiled call with its frame (an
-    adopting tracker adopts the tensors its arguments hold)."""
+    adopting tracker adopts the tensors its arguments, its function's globals and its callers'
+    locals hold)."""
 
     def __init__(
         self, source: Any, device: torch.device | None, close: Callable[[], None], fallback: bool
@@ -114,7 +142,7 @@ class Selection:
 
         self.source, self.device, self.close, self.fallback = source, device, close, fallback
         adopting = isinstance(source, TensorTracker) and source.adopt_on_enter
-        self.on_call: Callable[[FrameType], None] | None = source.adopt_arguments if adopting else None
+        self.on_call: Callable[[FrameType], None] | None = source.adopt_from_call if adopting else None
 
     def describe(self) -> str:
         """See :func:`describe_source` (read when asked: adoption counts grow between sessions)."""
@@ -140,7 +168,8 @@ class SourceSelector:
     or a ``MemorySource`` used as it is (a ``TensorTracker`` that is not entered is entered for
     each session). A tracker memlab creates is kept between sessions (memory
     a profiled call keeps is still counted at the next call); it adopts the tensors ``gc`` can
-    reach at its first session and, at every profiled call, those the call's arguments hold. A
+    reach at its first session and, at every profiled call, those the call's arguments, its
+    function's globals and its callers' local variables hold (:meth:`TensorTracker.adopt_from_call`). A
     tracker the user entered is used as it is.
     """
 
@@ -154,7 +183,7 @@ class SourceSelector:
         """Open the source measuring ``target`` (checked by :func:`check_target`)."""
         from memlab.sources.cuda import CudaSource
 
-        device, fallback = _measured(target)
+        device, fallback = measured_device(target)
         exists = cuda_device_exists(device)
         source = self.source
         if source == "cuda" or (source in (None, "auto") and exists):

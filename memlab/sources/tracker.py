@@ -19,14 +19,14 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from memlab._devices import resolve_device
-from memlab._tensors import check_optimizer, live_storages, storages_of
+from memlab._tensors import call_roots, check_optimizer, live_storages, storages_of
 from memlab._units import parse_size
 from memlab.history import categories
 from memlab.history.export import allocator_snapshot
-from memlab.history.recorder import Stack, capture_stack, make_history
+from memlab.history.recorder import Stack, capture_stack, is_own_code, make_history
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 
@@ -102,6 +102,15 @@ class _Warmup(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _exit_left_behind() -> None:
+    """Take off torch's mode stack the trackers exited out of order that are now on its top."""
+    stack = _get_current_dispatch_mode_stack()
+    while stack and isinstance(stack[-1], TensorTracker) and stack[-1]._left_behind:
+        mode = stack.pop()
+        mode._left_behind = False
+        TorchDispatchMode.__exit__(mode, None, None, None)
+
+
 @functools.cache
 def _warm_up() -> None:
     with _Warmup():
@@ -124,8 +133,9 @@ class TensorTracker(TorchDispatchMode):
     result would not fit raises ``torch.OutOfMemoryError`` where the modelled GPU would.
     ``adopt=True`` counts, at the first entry, the tensors that already exist and that ``gc`` can
     reach (:meth:`adopt`), as a GPU's own numbers would include them; memlab's profilers enter
-    their trackers that way, and at each profiled call also adopt what its arguments hold (the
-    next batch, made between calls). With ``adopt=False`` (default) storages that existed before
+    their trackers that way, and at each profiled call also adopt what its arguments, its
+    function's globals and its callers' locals hold (the next batch, made between calls:
+    :meth:`adopt_from_call`). With ``adopt=False`` (default) storages that existed before
     entry are never counted.
 
     ``history=True`` (or an int ``max_entries``, a ring buffer) records every allocation and
@@ -143,6 +153,10 @@ class TensorTracker(TorchDispatchMode):
     (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), ``torch.cuda.empty_cache()``
     calls in the measured code, and backend choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
+
+    Trackers nest (the innermost one is :func:`active_tracker`). One exited before a mode entered
+    after it (out of order) counts nothing from then on; it stays on torch's mode stack, passing
+    every op through, until the modes above it are exited.
     """
 
     def __init__(
@@ -188,6 +202,8 @@ class TensorTracker(TorchDispatchMode):
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._hooks: list[Any] = []  # removable handles of the hooks that categorise, while active
         self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._counting = 0  # entries not exited yet: ops are counted while > 0
+        self._left_behind = False  # exited out of order, still on torch's mode stack
         if model is not None:
             self.add_model(model)
         if optimizer is not None:
@@ -196,7 +212,14 @@ class TensorTracker(TorchDispatchMode):
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> TensorTracker:
         _warm_up()
+        _exit_left_behind()
+        if self._left_behind:
+            raise RuntimeError(
+                "this TensorTracker was exited before a dispatch mode entered after it, which is still "
+                "active; exit that mode before entering the tracker again"
+            )
         super().__enter__()
+        self._counting += 1
         _active.append(self)
         if self.adopt_on_enter and not self.adoptions:
             self.adopt()
@@ -216,7 +239,13 @@ class TensorTracker(TorchDispatchMode):
             while self._hooks:
                 self._hooks.pop().remove()
         _active.remove(self)
+        self._counting -= 1
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is not self and any(mode is self for mode in stack):
+            self._left_behind = True  # exited out of order: taken off when the modes above it are
+            return
         super().__exit__(*exc_info)
+        _exit_left_behind()
 
     # -- categories -----------------------------------------------------------------------------
     def add_model(self, model: torch.nn.Module) -> None:
@@ -245,6 +274,16 @@ class TensorTracker(TorchDispatchMode):
             self._optimizers.append(weakref.ref(optimizer))
             if self._saved_tensors_hooks is not None:
                 self._hook_optimizer(optimizer)
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The models given to :meth:`add_model` (or ``model=``) that are still alive, in order."""
+        return [model for model in (ref() for ref in self._models) if model is not None]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers given to :meth:`add_optimizer` (or ``optimizer=``) still alive, in order."""
+        return [optimizer for optimizer in (ref() for ref in self._optimizers) if optimizer is not None]
 
     def _hook_model(self, model: torch.nn.Module | None) -> None:
         if model is None:
@@ -338,6 +377,8 @@ class TensorTracker(TorchDispatchMode):
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if not self._counting:
+            return out  # exited out of order, still on the mode stack: never count into it
         if self._pending:
             self._drain()
         kind = self._kinds.get(func)
@@ -368,12 +409,17 @@ class TensorTracker(TorchDispatchMode):
                     self._track(storage)
         return out
 
-    def adopt_arguments(self, frame: FrameType) -> None:
-        """:meth:`adopt` the tensors held by the arguments of the call that ``frame`` starts (the
-        line profiler calls it at each outermost profiled call, from its trace function, where an
-        exception would stop the user's program: an argument that cannot be read is skipped)."""
+    def adopt_from_call(self, frame: FrameType) -> None:
+        """:meth:`adopt` the tensors that the call ``frame`` starts can reach without walking
+        ``gc``: those its arguments hold (category ``input``), then those held by its function's
+        globals and by the local variables of the frames that called it (a tensor made between
+        two profiled calls and kept in a global, a model in the training loop's locals). The line
+        profiler calls it at each outermost profiled call, from its trace function, where an
+        exception would stop the user's program: what cannot be read is skipped."""
         with contextlib.suppress(Exception):
             self.adopt(roots=frame.f_locals.values(), category=categories.INPUT)
+        with contextlib.suppress(Exception):
+            self.adopt(roots=call_roots(frame, is_own_code))
 
     def adopt(
         self,

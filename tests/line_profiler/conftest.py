@@ -27,11 +27,13 @@ def global_profiler() -> Iterator[Any]:
     profiler = memlab.line_profiler.global_line_profiler()
     profiler.clear()
     profiler.at_exit.clear()
+    profiler.leftovers.clear()
     trace = sys.gettrace()
     yield profiler
     atexit.unregister(profiler.print_at_exit)
     profiler._exit_registered = False
     profiler.at_exit.clear()
+    profiler.leftovers.clear()
     profiler.target_gpu = 0
     assert sys.gettrace() is trace
     assert decorators._global is profiler

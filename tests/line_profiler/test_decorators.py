@@ -105,6 +105,55 @@ def test_profile_every_prints_the_stats_of_each_group_of_calls(global_profiler, 
     assert tables[1].splitlines()[-1].split()[:2] == ["2", "4.00K"]
 
 
+def test_profile_every_prints_the_calls_left_over_at_exit_once(global_profiler, exact, capsys):
+    @memlab.profile_every(output_interval=2, columns=("hits", "allocated_bytes.all.peak"))
+    def make(n):
+        return torch.empty(n, dtype=U8)
+
+    for n in (1024, 2048, 3072):
+        make(n)
+    name = "test_profile_every_prints_the_calls_left_over_at_exit_once.<locals>.make"
+    assert capsys.readouterr().out.count(f"## {name} (calls 1-2)\n") == 1
+    global_profiler.print_at_exit()
+    first = make.__wrapped__.__code__.co_firstlineno
+    assert capsys.readouterr().out == EXACT + (
+        f"## {name} (call 3)\n"
+        "\n"
+        "hits allocated_bytes line  code\n"
+        "                 all\n"
+        "                peak\n"
+        f"                     {first:>4}      @memlab.profile_every(output_interval=2, "
+        'columns=("hits", "allocated_bytes.all.peak"))\n'
+        f"   1           0.00B {first + 1:>4}      def make(n):\n"
+        f"   1           3.00K {first + 2:>4}          return torch.empty(n, dtype=U8)\n"
+        "\n"
+    )
+    global_profiler.print_at_exit()  # printed once: nothing is left now
+    assert capsys.readouterr().out == ""
+
+
+def test_profile_every_leftovers_are_printed_when_the_interpreter_exits(tmp_path):
+    out = run_script(
+        tmp_path,
+        """
+        import torch, memlab
+
+        @memlab.profile_every(output_interval=2, columns=("hits",))
+        def make():
+            return torch.empty(10)
+
+        for _ in range(3):
+            make()
+        print("end of script")
+        """,
+    )
+    assert [line for line in out.splitlines() if line.startswith(("## ", "end"))] == [
+        "## make (calls 1-2)",
+        "end of script",
+        "## make (call 3)",
+    ]
+
+
 def test_profile_every_disabled_returns_the_function_unchanged():
     def make():
         return 1

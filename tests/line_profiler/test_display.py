@@ -64,6 +64,47 @@ def test_text_leaves_lines_that_never_ran_blank(profiled):
     )
 
 
+def test_print_stats_shows_the_columns_asked_for_hits_and_delta_included(exact):
+    lp = memlab.LineProfiler(branch, columns=("allocated_bytes.all.peak", "delta"))
+    with lp:
+        branch(False)
+    out = io.StringIO()
+    lp.print_stats(stream=out)
+    assert out.getvalue().splitlines()[2:] == [
+        "## branch",
+        "",
+        "allocated_bytes delta line  code",
+        "            all",
+        "           peak",
+        f"          0.00B 0.00B {line(branch, 0):>4}  def branch(flag):",
+        f"          0.00B 0.00B {line(branch, 1):>4}      if flag:",
+        f"                      {line(branch, 2):>4}          block = torch.empty(2048, dtype=U8)",
+        f"                      {line(branch, 3):>4}      else:",
+        f"          1.00K 1.00K {line(branch, 4):>4}          block = torch.empty(1024, dtype=U8)",
+        f"          1.00K 0.00B {line(branch, 5):>4}      return block",
+    ]
+
+
+def test_display_of_hits_alone_shows_hits_alone(exact):
+    lp = memlab.LineProfiler(branch, columns=["hits"])
+    with lp:
+        branch(True)
+    lp.add_columns(["delta", "hits"])  # added after: shown after, each once
+    assert repr(lp.display()).splitlines()[2:] == [
+        "## branch",
+        "",
+        "hits delta line  code",
+        "",
+        "",
+        f"   1 0.00B {line(branch, 0):>4}  def branch(flag):",
+        f"   1 0.00B {line(branch, 1):>4}      if flag:",
+        f"   1 2.00K {line(branch, 2):>4}          block = torch.empty(2048, dtype=U8)",
+        f"           {line(branch, 3):>4}      else:",
+        f"           {line(branch, 4):>4}          block = torch.empty(1024, dtype=U8)",
+        f"   1 0.00B {line(branch, 5):>4}      return block",
+    ]
+
+
 def test_text_reports_a_registered_function_that_never_ran(profiled):
     assert repr(profiled.display(never_called)) == (
         f"{EXACT}\n\n## never_called\n\nregistered, but never called while profiling\n"

@@ -94,8 +94,35 @@ def test_valid_targets(target, expected):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
-def test_an_int_target_without_a_gpu_is_kept_for_the_default_device():
-    assert check_target(1) == 1  # pytorch_memlab's target_gpu=N: modelled, and the table says so
+def test_gpu_0_without_a_gpu_is_kept_for_the_default_device():
+    assert check_target(0) == 0  # pytorch_memlab's default target_gpu=0: modelled, and the table says so
+    assert check_target("0", name="-g") == 0
+
+
+NO_GPU_7 = (
+    "no such GPU (this machine has no CUDA GPU; only index 0, the default, stands for the default "
+    "device without one); use 0, 'cpu' or 'meta' to model one"
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+@pytest.mark.parametrize("target", [7, "7", 1])
+def test_a_gpu_index_that_does_not_exist_is_an_error_not_the_cpu(global_profiler, target):
+    index = int(target)
+    with pytest.raises(ValueError) as error:
+        memlab.LineProfiler(work, target_gpu=target)
+    assert str(error.value) == f"target_gpu {index}: {NO_GPU_7}"
+    with pytest.raises(ValueError) as error:
+        memlab.set_target_gpu(target)
+    assert str(error.value) == f"target_gpu {index}: {NO_GPU_7}"
+    assert global_profiler.target_gpu == 0  # unchanged
+    lp = memlab.LineProfiler(work)
+    with pytest.raises(ValueError) as error:
+        lp.target_gpu = target
+    assert str(error.value) == f"target_gpu {index}: {NO_GPU_7}"
+    with pytest.raises(ValueError) as error:
+        check_target(target, name="-g")
+    assert str(error.value) == f"-g {index}: {NO_GPU_7}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")

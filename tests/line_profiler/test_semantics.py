@@ -164,14 +164,78 @@ def test_recursion_keeps_one_interval_per_frame(exact, rows):
     with lp:
         recurse(3)
     # Live bytes when each level starts: 0 (n=3), 4000 (n=2), 7000 (n=1), 9000 (n=0).
-    # Each recursive call line holds the whole deeper subtree: 3000+2000+1000, 2000+1000, 1000.
+    # The outermost recursive call line holds the whole deeper subtree (3000+2000+1000); the
+    # deeper ones are inside it and add nothing to the line's totals again.
     assert rows(lp, recurse, (*EXACT, "allocated_bytes.all.current")) == [
         ("def recurse(n):", 4, 9000, 0, 0, 9000),  # current: at the last entry
         ("block = torch.empty(1000 * (n + 1), dtype=U8)", 4, 10000, 10000, 0, 10000),
         ("if n:", 4, 10000, 0, 0, 10000),
-        ("recurse(n - 1)", 3, 10000, 6000 + 3000 + 1000, 6000 + 3000 + 1000, 4000),
+        ("recurse(n - 1)", 3, 10000, 3000 + 2000 + 1000, 3000 + 2000 + 1000, 4000),
         ("del block", 4, 10000, 0, 10000, 0),
         ("return n", 4, 9000, 0, 0, 0),
+    ]
+
+
+def descend(n):
+    page = torch.empty(4096, dtype=U8)
+    tag = torch.empty(512, dtype=U8)
+    if n:
+        descend(n - 1)
+        tag = torch.empty(512, dtype=U8)
+    return n + page.numel() * 0 + tag.numel() * 0
+
+
+def test_recursion_counts_each_allocation_once_per_line(exact, rows):
+    lp = memlab.LineProfiler(descend, columns=RECORDED)
+    with lp:
+        descend(9)
+    # Ten frames made 10 x 4 KiB + 19 x 512 B in all. Each line that makes a tensor counts it
+    # once; the call line holds what the nine deeper frames made (9 x 4 KiB + 17 x 512 B) once,
+    # not again at every level, and they freed it all before it ended.
+    deeper = 9 * 4096 + 17 * 512
+    assert rows(lp, descend, (*EXACT[:1], *RECORDED[1:], "delta")) == [
+        ("def descend(n):", 10, 0, 0, 0),
+        ("page = torch.empty(4096, dtype=U8)", 10, 10 * 4096, 0, 10 * 4096),
+        ("tag = torch.empty(512, dtype=U8)", 10, 10 * 512, 0, 10 * 512),
+        ("if n:", 10, 0, 0, 0),
+        ("descend(n - 1)", 9, deeper, deeper, 0),
+        ("tag = torch.empty(512, dtype=U8)", 9, 9 * 512, 9 * 512, 0),
+        ("return n + page.numel() * 0 + tag.numel() * 0", 10, 0, 0, 0),
+    ]
+    made_here = [row[2] for row in rows(lp, descend, ("hits", "allocated_bytes.all.allocated"))]
+    assert sum(made_here) - deeper == 10 * 4096 + 19 * 512  # every line but the call: each byte once
+
+
+def ping(n):
+    block = torch.empty(1000, dtype=U8)
+    if n:
+        pong(n - 1)
+    return block.numel()
+
+
+def pong(n):
+    block = torch.empty(100, dtype=U8)
+    return ping(n) + block.numel()
+
+
+def test_mutual_recursion_counts_a_deeper_frame_once_in_each_enclosing_line(exact, rows):
+    lp = memlab.LineProfiler(ping, pong, columns=RECORDED)
+    with lp:
+        ping(2)
+    # ping(2) > pong(1) > ping(1) > pong(0) > ping(0). ping's call line of ping(2) encloses
+    # 100 + 1000 + 100 + 1000 (that of ping(1) is inside it); pong's of pong(1), 1000 + 100 + 1000.
+    # Entries at 0, 1100 and 2200 bytes; 3200 at most (three pings and two pongs alive).
+    assert rows(lp, ping, EXACT) == [
+        ("def ping(n):", 3, 2200, 0, 0),
+        ("block = torch.empty(1000, dtype=U8)", 3, 3200, 3000, 0),
+        ("if n:", 3, 3200, 0, 0),
+        ("pong(n - 1)", 2, 3200, 2200, 2200),
+        ("return block.numel()", 3, 3200, 0, 0),
+    ]
+    assert rows(lp, pong, EXACT) == [
+        ("def pong(n):", 2, 2100, 0, 0),
+        ("block = torch.empty(100, dtype=U8)", 2, 2200, 200, 0),
+        ("return ping(n) + block.numel()", 2, 3200, 2100, 2100),
     ]
 
 
@@ -309,6 +373,19 @@ def test_a_profile_every_function_inside_a_profiler_keeps_that_profilers_peaks(g
     assert [line.split()[0] for line in report[-3:-1]] == ["80.00K", "120.00K"]
 
 
+def one_line(): return torch.empty(1024, 1024)  # fmt: skip
+
+
+def test_a_one_line_function_shows_its_body_on_the_def_line(exact, rows):
+    lp = memlab.LineProfiler(one_line, columns=RECORDED)
+    with lp:
+        made = one_line()
+    assert rows(lp, one_line, EXACT) == [
+        ("def one_line(): return torch.empty(1024, 1024)  # fmt: skip", 1, 4 << 20, 4 << 20, 0),
+    ]
+    assert made.shape == (1024, 1024)
+
+
 def test_tensors_alive_before_profiling_are_in_the_def_row_as_on_a_gpu():
     gc.collect()  # garbage of earlier tests would be adopted too, as a GPU would still hold it
     with torch.device("meta"):
@@ -333,3 +410,31 @@ def test_tensors_alive_before_profiling_are_in_the_def_row_as_on_a_gpu():
     peaks = [row[1] for row in lp.to_dataframe(grow).itertuples(index=False)]
     assert peaks == [40_960 + 1024 + 2048, 40_960 + 1024 + 2048 + 1024]
     del layer, kept, batch
+
+
+held_by_a_global = None
+
+
+def uses_what_it_reaches(batch):
+    return batch.numel()
+
+
+def test_a_later_call_adopts_what_globals_and_callers_locals_hold():
+    global held_by_a_global
+    gc.collect()
+    lp = memlab.LineProfiler(
+        uses_what_it_reaches, target_gpu="meta", columns=("allocated_bytes.all.current",)
+    )
+    batch = torch.empty(1000, dtype=U8, device="meta")
+    with lp:
+        uses_what_it_reaches(batch)
+    at_first_call = lp.to_dataframe(uses_what_it_reaches).iloc[0, 1]
+    # Made between the calls: one held only by this module's global, one by this (calling) frame.
+    held_by_a_global = torch.empty(1 << 20, dtype=U8, device="meta")
+    held_by_the_caller = torch.empty(2048, dtype=U8, device="meta")
+    with lp:
+        uses_what_it_reaches(batch)
+    assert lp.to_dataframe(uses_what_it_reaches).iloc[0, 1] - at_first_call == (1 << 20) + 2048
+    assert lp.source_line().endswith(", 2 more were adopted at later calls")
+    held_by_a_global = None
+    del held_by_the_caller

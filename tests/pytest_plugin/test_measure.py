@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from memlab.pytest_plugin.marks import MemoryLimit, check_memory
+from memlab.pytest_plugin.marks import LeakLimit, MemoryLimit, check_leaks, check_memory
 from memlab.pytest_plugin.measure import Measurement, measured
 
 MiB = 1024 * 1024
@@ -67,3 +67,17 @@ def test_without_history_there_are_no_sites():
     assert (measurement.allocated_peak, measurement.reserved_peak) == (1024, 2 * MiB)
     assert measurement.peak_sites("allocated") == [] and measurement.snapshot is None
     assert Measurement().peak("reserved") == 0
+
+
+def test_a_peak_just_over_the_limit_reads_different_from_it():
+    with measured(history=False) as measurement:
+        kept = torch.empty((MiB + 4096) // 4)
+    assert check_memory(MemoryLimit(MiB), measurement) == (
+        "Test was limited to 1.00M (1,048,576 B) of allocated tensor memory but peaked at "
+        "1.00M (1,052,672 B) on cpu\n(no allocation sites held at the peak were recorded)"
+    )
+    assert check_leaks(LeakLimit(MiB), measurement).splitlines()[0] == (
+        "Test was limited to 1.00M (1,048,576 B) of leaked tensor memory but 1.00M (1,052,672 B) "
+        "was still allocated at its end on cpu"
+    )
+    assert kept.numel() == (MiB + 4096) // 4

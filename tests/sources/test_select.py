@@ -7,7 +7,7 @@ import torch
 
 import memlab
 from memlab.sources.cuda import CudaSource
-from memlab.sources.select import SourceSelector, check_target, describe_source, open_source
+from memlab.sources.select import SourceSelector, check_target, describe_source, measured_device, open_source
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
 
@@ -111,3 +111,47 @@ def test_a_tracker_handed_over_but_not_entered_is_entered_for_each_session():
     assert peaks == [4000, 8000]  # the input (made once the session began) and the product
     assert tracker.memory_allocated("meta") == 4000  # the product alone, after the session
     del doubled
+
+
+@no_gpu
+def test_the_measured_device_of_an_int_is_a_gpu_index_only_0_stands_for_the_default_device():
+    assert measured_device(0) == (torch.device("cpu"), True)
+    assert measured_device(torch.device("meta")) == (torch.device("meta"), False)
+    with pytest.raises(ValueError) as error:
+        measured_device(7, name="-g")
+    assert str(error.value) == (
+        "-g 7: no such GPU (this machine has no CUDA GPU; only index 0, the default, stands for the "
+        "default device without one); use 0, 'cpu' or 'meta' to model one"
+    )
+    with pytest.raises(ValueError, match=r"^target_gpu 7: no such GPU"):
+        SourceSelector().open(7)  # a target set around check_target is refused where the source is chosen
+
+
+def make_on_cpu():
+    return torch.empty(1000, dtype=torch.uint8)
+
+
+def test_measuring_meta_while_the_tensors_are_on_the_cpu_says_why_every_byte_is_0():
+    lp = memlab.LineProfiler(make_on_cpu, target_gpu="meta", source=memlab.TensorTracker(allocator=None))
+    with lp:
+        made = make_on_cpu()
+    assert [row[1] for row in lp.to_dataframe(make_on_cpu).itertuples(index=False)] == [0, 0]
+    assert lp.source_line() == (
+        "modelled: exact bytes of meta tensors (memlab.TensorTracker(allocator=None)); tensors made before "
+        "the tracker was entered are not counted; no tensor was made on meta, so every byte column is 0: "
+        "the tensors were on cpu (measure cpu to see them)"
+    )
+    lp.target_gpu = "cpu"
+    with lp:
+        make_on_cpu()
+    assert lp.source_line() == (
+        "modelled: exact bytes of cpu tensors (memlab.TensorTracker(allocator=None)); tensors made before "
+        "the tracker was entered are not counted"
+    )
+    assert made.numel() == 1000
+
+
+def test_a_tracker_that_counted_nothing_anywhere_adds_no_hint():
+    tracker = memlab.TensorTracker(allocator=None)
+    tracker.memory_stats("meta")  # asked about, never used
+    assert describe_source(tracker, torch.device("meta")).endswith("are not counted")

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.testing._internal.two_tensor import TwoTensor
+from torch.utils import _python_dispatch
 
 import memlab
 from memlab.sources.tracker import active_tracker
@@ -555,3 +556,46 @@ def test_entering_a_tracker_imports_what_the_first_op_would_so_no_line_pays_for_
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout == "False True\n", result.stderr
+
+
+def test_trackers_exited_out_of_order_never_count_into_the_exited_one():
+    outer, inner = memlab.TensorTracker(allocator=None), memlab.TensorTracker(allocator=None)
+    outer.__enter__()
+    inner.__enter__()
+    both = torch.empty(1000, dtype=torch.uint8)
+    outer.__exit__(None, None, None)  # out of order: inner is still active
+    after = torch.empty(2000, dtype=torch.uint8)
+    assert (outer.memory_allocated(), inner.memory_allocated()) == (1000, 3000)
+    assert active_tracker() is inner
+    inner.__exit__(None, None, None)
+    assert _python_dispatch._get_current_dispatch_mode_stack() == []  # both are off torch's stack
+    assert not _python_dispatch._is_in_torch_dispatch_mode
+    later = torch.empty(4000, dtype=torch.uint8)
+    assert (outer.memory_allocated(), inner.memory_allocated()) == (1000, 3000)
+    with outer:  # and it can be entered again
+        torch.empty(8, dtype=torch.uint8)
+    assert outer.memory_stats()["allocated_bytes.all.allocated"] == 1008
+    del both, after, later
+
+
+def test_a_tracker_left_under_a_mode_still_active_cannot_be_entered_again():
+    class Passing(_python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    tracker = memlab.TensorTracker(allocator=None)
+    tracker.__enter__()
+    with Passing():
+        tracker.__exit__(None, None, None)
+        torch.empty(100, dtype=torch.uint8)
+        with pytest.raises(RuntimeError) as error:
+            tracker.__enter__()
+    assert str(error.value) == (
+        "this TensorTracker was exited before a dispatch mode entered after it, which is still active; "
+        "exit that mode before entering the tracker again"
+    )
+    assert tracker.memory_allocated() == 0
+    with tracker:  # the mode above it is gone: it was taken off and can be entered
+        torch.empty(10, dtype=torch.uint8)
+    assert tracker.memory_allocated() == 0 and tracker.memory_stats()["allocated_bytes.all.allocated"] == 10
+    assert _python_dispatch._get_current_dispatch_mode_stack() == []
