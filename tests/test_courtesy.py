@@ -561,3 +561,16 @@ def test_cuda_yield_to_cpu_frees_the_device_and_restores_in_place():
         assert torch.cuda.memory_allocated() == 0
     assert model.weight is weight and weight.device.type == "cuda"
     assert torch.equal(weight.detach().cpu(), expected)
+
+
+@pytest.mark.cuda
+def test_cuda_yield_to_a_directory_writes_raw_bytes_and_restores_on_the_gpu(tmp_path: Path):
+    weight = torch.arange(1000.0, device="cuda")
+    step = torch.tensor(3.0, device="cuda")
+    with Courtesy(device="cuda", offload=tmp_path) as courtesy:
+        assert courtesy.yielded_bytes == 4004 and torch.cuda.memory_allocated() == 0
+        assert weight.device.type == "cpu" and torch.isnan(weight).all()
+        with pytest.raises(RuntimeError, match=_REFUSED):
+            step.add_(1)
+    assert weight.device.type == "cuda" and weight.cpu().tolist() == [float(i) for i in range(1000)]
+    assert step.item() == 3.0 and list(tmp_path.iterdir()) == []
