@@ -2,13 +2,15 @@
 
 Tensors are moved in place (the same Python objects are re-pointed at new storages), one storage at
 a time, so views stay views and code that holds the tensors keeps working after :meth:`Courtesy.restore`.
+Parking is all or nothing; restoring brings back everything it can and names what it could not.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 import os
 import tempfile
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memlab import _offload
 from memlab._devices import DeviceLike, cuda_device_exists, parse_device, require_usable
 from memlab._tensors import live_storages
 
@@ -36,9 +39,12 @@ class _View:
     dtype: torch.dtype
 
 
-@dataclass
+@dataclass(eq=False)
 class _MovedStorage:
-    """One storage taken off the device: its bytes (in ``host`` or ``path``) and every view of it."""
+    """One storage taken off the device: its bytes (in ``host`` or ``path``) and every view of it.
+
+    ``original`` holds the storage itself while the yield that moved it runs, so that a yield
+    failing part-way can put every tensor back where it was without reading anything back."""
 
     device: torch.device
     nbytes: int
@@ -46,6 +52,7 @@ class _MovedStorage:
     host: weakref.ref[torch.UntypedStorage] | None = None
     path: Path | None = None
     restored: torch.UntypedStorage | None = field(default=None, repr=False)
+    original: torch.UntypedStorage | None = field(default=None, repr=False)
 
 
 class Courtesy:
@@ -55,30 +62,42 @@ class Courtesy:
     ``.grad``, buffers, optimizer state, plain tensors, and the bases of views) off the device, in
     place: the tensors stay the same Python objects, each storage is copied once and every tensor
     on it is re-pointed at the copy with its own offset, sizes and strides, so views stay views.
-    On CUDA it then calls ``torch.cuda.empty_cache()``.
+    On CUDA it then calls ``torch.cuda.empty_cache()``. Parking is all or nothing: if it fails
+    part-way (a full disk, an out-of-memory error, Ctrl-C), every tensor it moved is back on its
+    original storage and the files it wrote are removed before the error is raised.
 
     ``offload="cpu"`` keeps the bytes in host memory (the tensors live on the CPU meanwhile).
     ``offload=<directory>`` writes each storage to a file there (its raw bytes: no pickle, and read
     back straight into the new device buffer or a staging buffer) and leaves shape-only
     placeholders: the tensors keep their ``shape`` and ``dtype`` but sit on the CPU over one shared
-    element per dtype (stride 0, NaN for floating types), so they free host memory too; reading
-    them gives NaN or 0 and writing to them raises. ``Courtesy(device="cpu", offload=directory)``
-    frees host memory and is the path testable without a GPU.
+    element per dtype (stride 0, NaN for floating types), so they free host memory too. Reading
+    them gives NaN or 0; every write to them raises PyTorch's ``RuntimeError``, whatever their
+    shape (0-d included), as does anything that needs their data pointer
+    (``torch.save``, ``.numpy()``). ``Courtesy(device="cpu", offload=directory)`` frees host
+    memory and is the path testable without a GPU.
 
     ``restore()`` brings every moved storage back to the device it came from, bit-exact, and
-    re-points the tensors at it. It does nothing without a yield; if it fails part-way (a missing
-    file, an out-of-memory error) nothing is lost and calling it again finishes the job. A second
+    re-points the tensors at it. It does nothing without a yield. A storage it cannot bring back
+    (its file deleted or truncated meanwhile, an out-of-memory error) does not hold back the
+    others: it restores all it can, then raises an error that names what is still parked and why;
+    calling it again once the cause is fixed brings back the rest, and never loses more. Failing
+    to delete a file it has read back (a read-only directory) is a warning. Ctrl-C in the main
+    thread waits until a restore (or the undoing of a failed yield) is complete. A second
     ``yield_memory()`` before ``restore()`` only moves tensors that appeared on the device since.
     Tensors dropped by their users meanwhile are not restored; a tensor whose storage the user
     replaced meanwhile is left as the user made it.
 
-    What it cannot move: memory held by C++ rather than by tensors ``gc`` sees (autograd graphs still
-    alive and their saved tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context). A
-    storage that such a hidden tensor shares with visible ones is left in place, since moving it
-    would free nothing and split the views; so are sparse, nested and quantized tensors and wrapper
-    subclasses (a subclass's inner tensors move if ``gc`` sees them). ``skipped`` counts the tensors
-    holding storages on the device that the last yield left in place. Use it between steps, not
-    while an autograd graph is alive, and not while other threads use the tensors.
+    What it does not move, and counts in ``skipped`` (tensors holding storages on the device that
+    the last yield left in place): memory shared with others, which moving would unshare and may
+    not free: tensors over memory shared outside PyTorch (``torch.from_numpy``, a storage whose
+    memory ``.numpy()`` ever handed to NumPy, ``frombuffer``, DLPack, memory maps) and host tensors
+    in shared memory (``share_memory_()``, seen by other processes); a warning names them. Memory
+    held by C++ rather than by tensors ``gc`` sees (autograd graphs still alive and their saved
+    tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context): a storage that such a
+    hidden tensor shares with visible ones is left in place, since moving it would free nothing
+    and split the views; so are sparse, nested and quantized tensors and wrapper subclasses (a
+    subclass's inner tensors move if ``gc`` sees them). Use it between steps, not while an
+    autograd graph is alive, and not while other threads use the tensors.
     """
 
     def __init__(self, device: DeviceLike = "cuda", offload: str | os.PathLike[str] = "cpu") -> None:
@@ -117,17 +136,28 @@ class Courtesy:
         """Move every reachable tensor on the device off it; return the storage bytes moved now.
 
         Bytes are the exact ``nbytes`` of the moved storages (the device's allocator may have held
-        up to 511 B more per storage, and its cache, which is emptied on CUDA). If it fails
-        part-way, what was moved stays recorded: call it again to continue, or :meth:`restore`.
+        up to 511 B more per storage, and its cache, which is emptied on CUDA); the device memory
+        is released once every storage is parked. All or nothing: on any failure (``Ctrl-C``
+        included) the tensors moved by this call are put back on their original storages, the
+        files written for them are removed, and the error is raised; tensors moved by an earlier
+        call stay moved.
         """
         storages = self._device_storages()
+        first, had_workdir = len(self._moved), self._workdir is not None
         moved_now = 0
-        while storages:
-            _, (storage, tensors) = storages.popitem()
-            moved_now += self._move_out(storage, tensors)
-            del storage, tensors
-        if self.device.type == "cuda" and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        try:
+            while storages:
+                _, (storage, tensors) = storages.popitem()
+                moved_now += self._move_out(storage, tensors)
+                del storage, tensors
+            for moved in self._moved[first:]:
+                moved.original = None  # parked: the device memory is released here
+            if self.device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+        except BaseException:
+            with _offload.interrupts_held():
+                self._roll_back(first, had_workdir)
+            raise
         return moved_now
 
     def restore(self) -> int:
@@ -135,36 +165,81 @@ class Courtesy:
 
         Each storage is copied back once and all its live tensors are re-pointed at it with their
         original offsets, sizes and strides. Without a preceding yield it does nothing and returns
-        0. On failure the storages not yet restored stay recorded; calling it again resumes.
+        0. Storages that cannot be read back stay recorded (their tensors stay placeholders) while
+        every other one is restored; then it raises ``OSError`` (a file missing, truncated or
+        unreadable) or ``RuntimeError`` (anything else, e.g. out of memory) naming each of them,
+        its tensors and the cause. Calling it again resumes. A file that cannot be deleted after it
+        was read back is a warning naming it. Ctrl-C in the main thread is held until it returns.
         """
+        with _offload.interrupts_held():
+            return self._restore()
+
+    def _restore(self) -> int:
         restored = 0
-        while self._moved:
-            moved = self._moved[0]
+        failed: list[tuple[_MovedStorage, Exception]] = []
+        undeletable: list[str] = []
+        for moved in list(self._moved):
             live = self._live_views(moved)
             if live and moved.restored is None:
-                moved.restored = self._read_back(moved)
+                try:
+                    moved.restored = self._read_back(moved)
+                except Exception as error:  # this storage stays parked; the others come back
+                    failed.append((moved, error))
+                    continue
             for tensor, view in live:
                 tensor.data = _view_of(moved.restored, view)
             if live:
                 restored += moved.nbytes
             del live
-            if moved.path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    moved.path.unlink()
-            self._moved.pop(0)
-        if self._workdir is not None:
-            with contextlib.suppress(OSError):
-                self._workdir.rmdir()
-            self._workdir = None
+            _offload.remove_file(moved.path, undeletable)
+            self._moved.remove(moved)
+        if not self._moved:
+            self._remove_workdir(undeletable)
+        _offload.warn_undeletable(undeletable)
+        if failed:
+            raise _not_restored(failed, self._live_views)
         return restored
+
+    def _roll_back(self, first: int, had_workdir: bool) -> None:
+        """Undo a yield that failed: the tensors moved since ``self._moved[first]`` go back to their
+        original storages (or, where one was already released, to a copy read back), and the files
+        written for them are removed."""
+        undeletable: list[str] = []
+        while len(self._moved) > first:
+            moved = self._moved[-1]
+            live = self._live_views(moved)
+            if live:
+                storage = moved.original if moved.original is not None else self._read_back(moved)
+                for tensor, view in live:
+                    tensor.data = _view_of(storage, view)
+            del live
+            _offload.remove_file(moved.path, undeletable)
+            self._moved.pop()
+        if not had_workdir:
+            self._remove_workdir(undeletable)
+        _offload.warn_undeletable(undeletable)
+
+    def _remove_workdir(self, undeletable: list[str]) -> None:
+        if self._workdir is None:
+            return
+        try:
+            self._workdir.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            if not undeletable:  # a folder left behind for its files needs no line of its own
+                undeletable.append(f"{self._workdir} ({_offload.reason(error)})")
+        self._workdir = None
 
     # -- yield ---------------------------------------------------------------------------------
     def _device_storages(self) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
         """Storages on the device that can move, keyed by ``id`` of the storage object, with the
-        tensors to re-point at their copy; :attr:`skipped` counts the tensors left in place."""
+        tensors to re-point at their copy; :attr:`skipped` counts the tensors left in place, and
+        a warning names those whose memory is shared."""
         placeholders = {id(storage) for storage in self._placeholders.values()}
         groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
         left: dict[int, torch.Tensor] = {}
+        shared: list[str] = []
         for key, live in live_storages(self.device).items():
             if key in placeholders:
                 continue
@@ -174,20 +249,32 @@ class Courtesy:
                     movable.append(tensor)
                 else:
                     left[id(tensor)] = tensor
-            if movable and _held_elsewhere(live.storage, len(movable)):
+            sharing = _sharing(live.storage) if movable else None
+            if sharing is not None:
+                left.update((id(tensor), tensor) for tensor in movable)
+                shared.append(f"{_describe(movable)} ({live.storage.nbytes()} B, {sharing})")
+            elif movable and (_held_elsewhere(live.storage, len(movable)) or not _readable(live.storage)):
                 left.update((id(tensor), tensor) for tensor in movable)
             elif movable:
                 groups[key] = (live.storage, movable)
         self.skipped = len(left)
+        if shared:
+            warnings.warn(
+                f"Courtesy left {len(shared)} storage{'s' * (len(shared) != 1)} on {self.device} in "
+                "place: their memory is shared, which moving them would break (and may free nothing): "
+                + "; ".join(shared),
+                stacklevel=3,
+            )
         return groups
 
     def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> int:
-        """Copy ``storage`` out, record it, re-point ``tensors``; return its bytes."""
+        """Copy ``storage`` out, record it, re-point ``tensors``; return its bytes. It is recorded
+        before anything is written, so that a failure at any point can be rolled back."""
         views = [
             _View(weakref.ref(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
             for t in tensors
         ]
-        moved = _MovedStorage(storage.device, storage.nbytes(), views)
+        moved = _MovedStorage(storage.device, storage.nbytes(), views, original=storage)
         if self.offload == "cpu":
             host = torch.empty(moved.nbytes, dtype=torch.uint8, device="cpu")
             host.copy_(_bytes_of(storage))
@@ -196,37 +283,33 @@ class Courtesy:
             for tensor, view in zip(tensors, views, strict=True):
                 tensor.data = _view_of(host.untyped_storage(), view)
             return moved.nbytes
-        moved.path = self._write(storage)
+        moved.path = self._next_path()
         self._moved.append(moved)
+        host_bytes = storage if storage.device.type == "cpu" else _bytes_of(storage).cpu().untyped_storage()
+        _offload.write_bytes(moved.path, host_bytes)
         for tensor, view in zip(tensors, views, strict=True):
             tensor.data = self._placeholder(view)
         return moved.nbytes
 
-    def _write(self, storage: torch.UntypedStorage) -> Path:
+    def _next_path(self) -> Path:
         if self._workdir is None:
             self._workdir = Path(tempfile.mkdtemp(prefix="memlab-courtesy-", dir=self.offload))
         path = self._workdir / f"storage-{self._serial:06d}.bin"
         self._serial += 1
-        data = _bytes_of(storage)
-        if data.device.type != "cpu":
-            data = data.cpu()
-        try:
-            with open(path, "wb") as file:
-                file.write(memoryview(data.numpy()))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                path.unlink()
-            raise
         return path
 
     def _placeholder(self, view: _View) -> torch.Tensor:
-        """A CPU tensor with the view's shape and dtype over one shared element (stride 0)."""
+        """A CPU tensor with the view's shape and dtype over one shared, read-only element (stride 0)."""
         storage = self._placeholders.get(view.dtype)
         if storage is None:
             # Built outside the dispatcher: a tracker sees no allocation for the placeholders.
             storage = torch.UntypedStorage(view.dtype.itemsize)
             element = torch.empty(0, dtype=view.dtype).set_(storage, 0, (1,), (1,))
-            element.fill_(float("nan") if view.dtype.is_floating_point or view.dtype.is_complex else 0)
+            element.fill_(math.nan if view.dtype.is_floating_point or view.dtype.is_complex else 0)
+            # Every kernel that writes asks the storage for a mutable data pointer; this makes that
+            # raise. Without it a write to a 0-d or one-element placeholder (or fill_ / zero_ on
+            # any) would land in the element every placeholder of this dtype reads, then be lost.
+            torch._C._set_throw_on_mutable_data_ptr(element)
             self._placeholders[view.dtype] = storage
         return torch.empty(0, dtype=view.dtype).set_(storage, 0, view.size, (0,) * len(view.size))
 
@@ -254,14 +337,52 @@ class Courtesy:
             buffer = torch.empty(moved.nbytes, dtype=torch.uint8, device=moved.device)
             buffer.copy_(_bytes_of(host))
             return buffer.untyped_storage()
-        staging = torch.empty(moved.nbytes, dtype=torch.uint8, device="cpu")
-        with open(moved.path, "rb") as file:
-            read = file.readinto(memoryview(staging.numpy()))
-        if read != moved.nbytes:
-            raise OSError(f"{moved.path} holds {read} bytes, expected {moved.nbytes}; the file was changed")
-        if moved.device.type != "cpu":
-            staging = staging.to(moved.device)
-        return staging.untyped_storage()
+        staging = _offload.read_bytes(moved.path, moved.nbytes)
+        return (
+            staging if moved.device.type == "cpu" else _bytes_of(staging).to(moved.device).untyped_storage()
+        )
+
+
+def _not_restored(
+    failed: list[tuple[_MovedStorage, Exception]],
+    live_views: Any,
+) -> Exception:
+    """The error :meth:`Courtesy.restore` raises for storages it could not bring back."""
+    lines = []
+    for moved, error in failed:
+        where = str(moved.path) if moved.path is not None else "host copy"
+        tensors = _describe([tensor for tensor, _ in live_views(moved)])
+        lines.append(f"{where} ({moved.nbytes} B, {tensors}): {_offload.reason(error)}")
+    count = len(failed)
+    text = (
+        f"Courtesy.restore() could not bring back {count} storage{'s' * (count != 1)}; "
+        f"{'their' if count != 1 else 'its'} tensors stay parked (placeholders that read NaN or 0) "
+        "and everything else is restored. Fix the cause (put the file back, free memory) and call "
+        "restore() again: " + "; ".join(lines)
+    )
+    kind = OSError if all(isinstance(error, OSError) for _, error in failed) else RuntimeError
+    error = kind(text)
+    error.__cause__ = failed[0][1]
+    return error
+
+
+def _describe(tensors: list[torch.Tensor]) -> str:
+    """``float32 [64, 32]`` for one tensor, a list for several."""
+    names = [f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in tensors]
+    if len(names) == 1:
+        return f"tensor {names[0]}"
+    return f"tensors {', '.join(names)}" if names else "no live tensor"
+
+
+def _sharing(storage: torch.UntypedStorage) -> str | None:
+    """What ``storage`` shares its memory with, when moving it would break that sharing; else ``None``."""
+    if storage.device.type == "cpu" and storage.is_shared():
+        return "in shared memory (share_memory_()): other processes see it"
+    if not storage.resizable():
+        # PyTorch marks a storage so when it wraps memory it does not own, and for good once
+        # .numpy() has handed the storage's memory to NumPy.
+        return "memory shared outside PyTorch (torch.from_numpy, .numpy(), frombuffer, DLPack, a memory map)"
+    return None
 
 
 def _movable(tensor: torch.Tensor) -> bool:
@@ -276,6 +397,16 @@ def _held_elsewhere(storage: torch.UntypedStorage, visible: int) -> bool:
     """Whether tensors ``gc`` cannot see also hold ``storage`` (beyond ``visible`` ones and our handle)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     return use_count is not None and use_count(storage._cdata) > visible + 1
+
+
+def _readable(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` hands out its data pointer (another Courtesy's placeholders and fake
+    tensors' storages refuse: they hold nothing to move)."""
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from memlab import Courtesy
+from memlab import Courtesy, _offload
 from memlab.sources.tracker import TensorTracker
 
 
@@ -189,22 +194,280 @@ def test_a_second_yield_is_harmless_and_restore_without_yield_does_nothing(tmp_p
 def test_restore_that_fails_part_way_loses_nothing_and_resumes(tmp_path: Path):
     tensors = [torch.full((100 + i,), float(i)) for i in range(5)]
     views = [t[1:3] for t in tensors]
+    data = _raw(tensors[2])
     courtesy = Courtesy(device="cpu", offload=tmp_path)
     moved = courtesy.yield_memory()
     (workdir,) = tmp_path.iterdir()
-    files = sorted(workdir.iterdir())
-    hidden = files[len(files) // 2]
+    hidden = _file_holding(workdir, data)
     os.rename(hidden, tmp_path / "hidden.bin")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(OSError, match=r"could not bring back 1 storage;"):
         courtesy.restore()
-    assert 0 < courtesy.yielded_bytes < moved
+    assert courtesy.yielded_bytes == 408  # only the storage of the missing file is still parked
+    assert torch.isnan(tensors[2]).all() and tensors[3].eq(3.0).all()
     os.rename(tmp_path / "hidden.bin", hidden)
-    remaining = courtesy.yielded_bytes
-    assert courtesy.restore() == remaining
+    assert courtesy.restore() == 408 < moved
     assert courtesy.yielded_bytes == 0 and not workdir.exists()
     for i, (tensor, view) in enumerate(zip(tensors, views, strict=True)):
         assert tensor.shape == (100 + i,) and tensor.eq(float(i)).all()
         assert view.untyped_storage() is tensor.untyped_storage() and view.storage_offset() == 1
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    # Of a copy: .numpy() shares a storage with NumPy for good, and Courtesy then leaves it in place.
+    return tensor.detach().clone().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _file_holding(workdir: Path, data: bytes) -> Path:
+    """The offload file that holds ``data`` (the tests give each tensor distinct values)."""
+    (path,) = [path for path in workdir.iterdir() if path.read_bytes() == data]
+    return path
+
+
+def test_a_missing_and_a_truncated_file_hold_back_only_their_own_tensors(tmp_path: Path):
+    lost = torch.full((1000,), 7.25)  # 4000 B
+    cut = torch.full((500,), 3.5, dtype=torch.float64)  # 4000 B
+    cut_view = cut[10:20]
+    kept = [torch.full((300 + i,), float(i)) for i in range(4)]
+    before = [t.clone() for t in kept]
+    lost_bytes, cut_bytes = _raw(lost), _raw(cut)
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    moved = courtesy.yield_memory()
+    (workdir,) = tmp_path.iterdir()
+    lost_file, cut_file = _file_holding(workdir, lost_bytes), _file_holding(workdir, cut_bytes)
+    lost_file.unlink()
+    cut_file.write_bytes(cut_bytes[:100])
+    causes = {
+        lost_file: f"{lost_file} (4000 B, tensor float32 [1000]): No such file or directory",
+        cut_file: f"{cut_file} (4000 B, tensors float64 [500], float64 [10]): the file holds 100 "
+        "bytes, 4000 were written: it was truncated or changed",
+    }
+    expected = (
+        "Courtesy.restore() could not bring back 2 storages; their tensors stay parked (placeholders "
+        "that read NaN or 0) and everything else is restored. Fix the cause (put the file back, free "
+        "memory) and call restore() again: " + "; ".join(causes[path] for path in sorted(causes))
+    )
+    for _ in range(2):  # a retry with the files still broken loses nothing more
+        with pytest.raises(OSError) as raised:
+            courtesy.restore()
+        assert str(raised.value) == expected
+        assert courtesy.yielded_bytes == 8000
+        assert all(_bit_identical(a, b) for a, b in zip(kept, before, strict=True))
+        assert torch.isnan(lost).all() and torch.isnan(cut_view).all()
+        assert sorted(workdir.iterdir()) == [cut_file]  # the truncated file is kept as it is
+        assert cut_file.read_bytes() == cut_bytes[:100]
+    lost_file.write_bytes(lost_bytes)
+    cut_file.write_bytes(cut_bytes)
+    assert courtesy.restore() == 8000 < moved
+    assert lost.eq(7.25).all() and cut.eq(3.5).all() and cut_view.untyped_storage() is cut.untyped_storage()
+    assert courtesy.yielded_bytes == 0 and not workdir.exists()
+
+
+def test_files_that_cannot_be_deleted_after_reading_them_back_are_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    data = torch.full((1000,), 2.5)
+    gc.collect()  # no tensor of an earlier test may die meanwhile: every parked one comes back
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    moved = courtesy.yield_memory()
+    (workdir,) = tmp_path.iterdir()
+    files = sorted(workdir.iterdir())
+    real_unlink = Path.unlink
+
+    def read_only(path: Path, missing_ok: bool = False) -> None:
+        # What a directory without write permission answers (root would ignore a chmod).
+        if path.parent == workdir:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        real_unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.warns(UserWarning) as warned:
+        assert courtesy.restore() == moved
+    assert [str(w.message) for w in warned] == [
+        f"Courtesy could not delete {len(files)} offload file{'s' * (len(files) != 1)} after use (the "
+        "tensors are fine); delete them yourself: "
+        + ", ".join(f"{path} (Permission denied)" for path in files)
+    ]
+    assert data.eq(2.5).all() and courtesy.yielded_bytes == 0
+    assert sorted(workdir.iterdir()) == files
+    assert courtesy.restore() == 0
+
+
+def _disk_full_after(count: int, written: list[Path]) -> Any:
+    """A writer that writes ``count`` files, then leaves part of the next one and fails as a full disk."""
+    real = _offload.write_bytes
+
+    def write(path: Path, storage: torch.UntypedStorage) -> None:
+        if len(written) == count:
+            path.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        written.append(path)
+        real(path, storage)
+
+    return write
+
+
+def test_a_yield_that_fails_part_way_puts_every_tensor_back_and_removes_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    tensors = [torch.full((200 + i,), float(i)) for i in range(6)]
+    views = [t[1:3] for t in tensors]
+    storages = [t.untyped_storage() for t in tensors]
+    step = torch.tensor(5.0)  # a 0-d step counter
+    written: list[Path] = []
+    monkeypatch.setattr(_offload, "write_bytes", _disk_full_after(4, written))
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    with pytest.raises(OSError) as raised:
+        with courtesy:
+            pytest.fail("the block ran although parking failed")
+    assert raised.value.errno == errno.ENOSPC
+    assert len(written) == 4 and list(tmp_path.iterdir()) == []
+    assert courtesy.yielded_bytes == 0 and courtesy.restore() == 0
+    for i, (tensor, view, storage) in enumerate(zip(tensors, views, storages, strict=True)):
+        assert tensor.untyped_storage() is storage and view.untyped_storage() is storage
+        assert tensor.tolist() == [float(i)] * (200 + i) and view.storage_offset() == 1
+    assert step.item() == 5.0 and step.add_(1).item() == 6.0
+
+
+def test_a_second_yield_that_fails_undoes_only_its_own_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    first = torch.full((300,), 1.5)
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    moved = courtesy.yield_memory()
+    (workdir,) = tmp_path.iterdir()
+    files = sorted(workdir.iterdir())
+    later = [torch.full((400 + i,), float(i)) for i in range(3)]
+    monkeypatch.setattr(_offload, "write_bytes", _disk_full_after(1, []))
+    with pytest.raises(OSError, match="No space left on device"):
+        courtesy.yield_memory()
+    assert courtesy.yielded_bytes == moved and sorted(workdir.iterdir()) == files
+    assert torch.isnan(first).all() and [t[0].item() for t in later] == [0.0, 1.0, 2.0]
+    monkeypatch.undo()
+    assert courtesy.restore() == moved and first.eq(1.5).all() and not workdir.exists()
+
+
+@pytest.mark.parametrize("interrupt", ["raised", "signal"])
+def test_ctrl_c_while_parking_puts_every_tensor_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: str
+):
+    tensors = [torch.full((250 + i,), float(i)) for i in range(5)]
+    storages = [t.untyped_storage() for t in tensors]
+    written: list[Path] = []
+    real = _offload.write_bytes
+
+    def write(path: Path, storage: torch.UntypedStorage) -> None:
+        written.append(path)
+        real(path, storage)
+        if len(written) == 3 and interrupt == "raised":
+            raise KeyboardInterrupt
+        if len(written) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt at its next check
+
+    monkeypatch.setattr(_offload, "write_bytes", write)
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        courtesy.yield_memory()
+    assert len(written) == 3 and list(tmp_path.iterdir()) == [] and courtesy.yielded_bytes == 0
+    for i, (tensor, storage) in enumerate(zip(tensors, storages, strict=True)):
+        assert tensor.untyped_storage() is storage and tensor.eq(float(i)).all()
+
+
+def test_ctrl_c_while_restoring_waits_until_every_tensor_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    tensors = [torch.full((150 + i,), float(i)) for i in range(5)]
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    courtesy.yield_memory()
+    (workdir,) = tmp_path.iterdir()
+    reads: list[Path] = []
+    real = _offload.read_bytes
+
+    def read(path: Path, nbytes: int) -> torch.UntypedStorage:
+        reads.append(path)
+        if len(reads) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(path, nbytes)
+
+    monkeypatch.setattr(_offload, "read_bytes", read)
+    with pytest.raises(KeyboardInterrupt):
+        courtesy.restore()
+    assert len(reads) > 2 and courtesy.yielded_bytes == 0 and not workdir.exists()
+    assert all(tensor.eq(float(i)).all() for i, tensor in enumerate(tensors))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+_WRITES: dict[str, Callable[[torch.Tensor], object]] = {
+    "add_": lambda t: t.add_(1),
+    "fill_": lambda t: t.fill_(1),
+    "zero_": lambda t: t.zero_(),
+    "copy_": lambda t: t.copy_(torch.ones(t.shape, dtype=t.dtype)),
+    "setitem": lambda t: t.__setitem__(..., 1),
+    "out=": lambda t: torch.mul(torch.ones(t.shape, dtype=t.dtype), 2, out=t),
+}
+
+
+# PyTorch's words: the storage refuses a mutable pointer, or (checked first, for more than one
+# element over stride 0) the write would go to one element several times.
+_REFUSED = (
+    "^(Cannot access data pointer of Tensor|unsupported operation: more than one element of the written-to)"
+)
+
+
+@pytest.mark.parametrize("write", sorted(_WRITES))
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1), (3,), (2, 3)])
+def test_every_write_to_a_parked_tensor_raises_whatever_its_shape(
+    tmp_path: Path, shape: tuple[int, ...], write: str
+):
+    target = torch.full(shape, 4.0)
+    integer = torch.full(shape, 9, dtype=torch.int64)
+    other = torch.full((5,), 6.0)  # another parked float32 tensor: it shares the placeholder's element
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    courtesy.yield_memory()
+    for tensor in (target, integer):
+        with pytest.raises(RuntimeError, match=_REFUSED):
+            _WRITES[write](tensor)
+    assert torch.isnan(other).all() and integer.eq(0).all() and target.shape == shape
+    courtesy.restore()
+    assert target.eq(4.0).all() and integer.eq(9).all() and other.eq(6.0).all()
+
+
+def test_an_optimizer_step_on_parked_state_raises_and_changes_nothing(tmp_path: Path):
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, torch.randn(16, 32))
+    before = _state(model, optimizer)
+    assert before["0.weight.step"].shape == ()  # AdamW's 0-d step counter
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    courtesy.yield_memory()
+    with pytest.raises(RuntimeError, match=_REFUSED):
+        optimizer.step()
+    courtesy.restore()
+    after = _state(model, optimizer)
+    assert all(_bit_identical(after[name], before[name]) for name in before)
+
+
+def test_tensors_sharing_memory_with_numpy_or_other_processes_stay_in_place(tmp_path: Path):
+    array = np.arange(6, dtype=np.float32)
+    from_numpy = torch.from_numpy(array)
+    shared = torch.full((4,), 2.0).share_memory_()
+    plain = torch.full((7,), 1.0)
+    storages = (from_numpy.untyped_storage(), shared.untyped_storage())
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    with pytest.warns(UserWarning) as warned:
+        courtesy.yield_memory()
+    (message,) = {str(w.message) for w in warned}
+    assert (
+        message.startswith("Courtesy left ")
+        and " storages on cpu in place: their memory is shared, " in message
+    )
+    assert (
+        "tensor float32 [6] (24 B, memory shared outside PyTorch (torch.from_numpy, .numpy(), frombuffer, "
+        "DLPack, a memory map))"
+    ) in message
+    assert "tensor float32 [4] (16 B, in shared memory (share_memory_()): other processes see it)" in message
+    assert courtesy.skipped >= 2 and torch.isnan(plain).all()
+    assert (from_numpy.untyped_storage(), shared.untyped_storage()) == storages
+    courtesy.restore()
+    array[0] = 10.0
+    assert from_numpy[0].item() == 10.0 and from_numpy.untyped_storage() is storages[0]
+    assert shared.is_shared() and shared.untyped_storage() is storages[1] and plain.eq(1.0).all()
 
 
 def test_tensors_dropped_while_yielded_are_not_brought_back(tmp_path: Path):
@@ -298,3 +561,16 @@ def test_cuda_yield_to_cpu_frees_the_device_and_restores_in_place():
         assert torch.cuda.memory_allocated() == 0
     assert model.weight is weight and weight.device.type == "cuda"
     assert torch.equal(weight.detach().cpu(), expected)
+
+
+@pytest.mark.cuda
+def test_cuda_yield_to_a_directory_writes_raw_bytes_and_restores_on_the_gpu(tmp_path: Path):
+    weight = torch.arange(1000.0, device="cuda")
+    step = torch.tensor(3.0, device="cuda")
+    with Courtesy(device="cuda", offload=tmp_path) as courtesy:
+        assert courtesy.yielded_bytes == 4004 and torch.cuda.memory_allocated() == 0
+        assert weight.device.type == "cpu" and torch.isnan(weight).all()
+        with pytest.raises(RuntimeError, match=_REFUSED):
+            step.add_(1)
+    assert weight.device.type == "cuda" and weight.cpu().tolist() == [float(i) for i in range(1000)]
+    assert step.item() == 3.0 and list(tmp_path.iterdir()) == []

@@ -104,9 +104,12 @@ class LineProfiler(ByCountProfilerMixin):
 
     What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
     cannot see: kernel workspaces, the CUDA context, NCCL buffers; at adoption, autograd's saved
-    tensors of a graph alive at entry and tensors held only by C++); ops of threads other than the
-    one that entered the tracker; with ``CudaSource``, each sample resets CUDA's peak counters.
-    Several threads profiled at once share one sampling window, so their peaks mix.
+    tensors of a graph alive at entry and tensors held only by C++); with ``CudaSource``, each
+    sample resets CUDA's peak counters. Threads: with a tracker, every thread that runs a profiled
+    function enters it, and threads started while profiling are counted too; threads that were
+    already running and never run a profiled function (a thread pool made before) are not, and
+    the line that says where numbers come from names them. Several threads profiled at once
+    share one sampling window, so their peaks mix.
     """
 
     def __init__(
@@ -197,15 +200,23 @@ class LineProfiler(ByCountProfilerMixin):
 
     def enable_by_count(self) -> None:
         """Enable tracing in the calling thread; calls nest and :meth:`disable_by_count` undoes
-        one. The first one starts the session (memory source, thread hook)."""
+        one. The first one starts the session (memory source, thread hook); the first one of each
+        thread makes the memory source see that thread (a tracker is entered in it)."""
         depth = getattr(self._threads, "depth", 0)
         if depth == 0:
             with self._lock:
                 if self._sessions == 0:
                     self._start_session()
                 self._sessions += 1
+                selection = self._selection
             try:
-                self._threads.token = self._tracer.install()
+                assert selection is not None
+                self._threads.leave = selection.enter_thread()
+                try:
+                    self._threads.token = self._tracer.install()
+                except BaseException:
+                    self._threads.leave()
+                    raise
             except BaseException:
                 self._end_thread()
                 raise
@@ -218,9 +229,12 @@ class LineProfiler(ByCountProfilerMixin):
             return
         self._threads.depth = depth - 1
         if depth == 1:
-            self._tracer.uninstall(self._threads.token)
-            self._threads.token = None
-            self._end_thread()
+            try:
+                self._tracer.uninstall(self._threads.token)
+                self._threads.token = None
+                self._threads.leave()
+            finally:
+                self._end_thread()
 
     def _end_thread(self) -> None:
         with self._lock:
@@ -271,20 +285,14 @@ class LineProfiler(ByCountProfilerMixin):
             self._records.relayout(self._wanted)
         layout = self._records.layout
         selection = self._selector.open(self._target)
-        try:
-            sample = selection.source.sampler(layout.sample_keys, selection.device)
-            entry_sample = selection.source.sampler(layout.entry_keys, selection.device)
-            self._tracer.start(layout, sample, entry_sample, selection.on_call)
-        except BaseException:
-            selection.close()
-            raise
+        sample = selection.source.sampler(layout.sample_keys, selection.device)
+        entry_sample = selection.source.sampler(layout.entry_keys, selection.device)
+        self._tracer.start(layout, sample, entry_sample, selection.on_call)
         self._selection = self._records.source = selection
 
     def _stop_session(self) -> None:
         self._tracer.stop()
-        selection, self._selection = self._selection, None
-        if selection is not None:
-            selection.close()
+        self._selection = None
 
     # -- results ----------------------------------------------------------------------------------
     def _codes(self, func: Any) -> list[types.CodeType]:

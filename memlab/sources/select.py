@@ -115,6 +115,10 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
             f"; no tensor was made on {device}, so every byte column is 0: the tensors were on "
             f"{', '.join(map(str, elsewhere))} (measure {elsewhere[0]} to see them)"
         )
+    names = list(source.threads_not_counted.values())
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        text += f"; ops of threads already running when counting began are not counted ({shown})"
     return text
 
 
@@ -129,24 +133,38 @@ def _storages(count: int) -> str:
 
 
 class Selection:
-    """An open memory source: ``source`` to sample, ``device`` to sample it for, ``close()`` to end
-    its use, :meth:`describe` for the line that says where the numbers come from, and
-    ``on_call`` (or ``None``): what to do at each outermost profiled call with its frame (an
-    adopting tracker adopts the tensors its arguments, its function's globals and its callers'
-    locals hold)."""
+    """An open memory source: ``source`` to sample, ``device`` to sample it for,
+    :meth:`enter_thread` for each thread that profiles, :meth:`describe` for the line that says
+    where the numbers come from, and ``on_call`` (or ``None``): what to do at each outermost
+    profiled call with its frame (an adopting tracker adopts the tensors its arguments, its
+    function's globals and its callers' locals hold)."""
 
-    def __init__(
-        self, source: Any, device: torch.device | None, close: Callable[[], None], fallback: bool
-    ) -> None:
+    def __init__(self, source: Any, device: torch.device | None, fallback: bool) -> None:
         from memlab.sources.tracker import TensorTracker
 
-        self.source, self.device, self.close, self.fallback = source, device, close, fallback
-        adopting = isinstance(source, TensorTracker) and source.adopt_on_enter
+        self.source, self.device, self.fallback = source, device, fallback
+        self._tracker = source if isinstance(source, TensorTracker) else None
+        adopting = self._tracker is not None and source.adopt_on_enter
         self.on_call: Callable[[FrameType], None] | None = source.adopt_from_call if adopting else None
+
+    def enter_thread(self) -> Callable[[], None]:
+        """Make the source see the calling thread, and return what undoes that, to be called in
+        the same thread: a tracker is entered here unless it counts this thread already (a dispatch
+        mode belongs to the thread that entered it; the first entry adopts, for an adopting
+        tracker). Other sources see every thread."""
+        tracker = self._tracker
+        if tracker is None or tracker.counts_this_thread():
+            return _nothing
+        tracker.__enter__()
+        return lambda: tracker.__exit__(None, None, None)
 
     def describe(self) -> str:
         """See :func:`describe_source` (read when asked: adoption counts grow between sessions)."""
         return describe_source(self.source, self.device, self.fallback)
+
+
+def _nothing() -> None:
+    return None
 
 
 def open_source(device: torch.device) -> Any:
@@ -165,12 +183,12 @@ class SourceSelector:
     """Opens the memory source for a target each time profiling starts.
 
     ``source`` is ``None``/``"auto"`` (the rule in the module docstring), ``"cuda"``, ``"tracker"``
-    or a ``MemorySource`` used as it is (a ``TensorTracker`` that is not entered is entered for
-    each session). A tracker memlab creates is kept between sessions (memory
-    a profiled call keeps is still counted at the next call); it adopts the tensors ``gc`` can
-    reach at its first session and, at every profiled call, those the call's arguments, its
-    function's globals and its callers' local variables hold (:meth:`TensorTracker.adopt_from_call`). A
-    tracker the user entered is used as it is.
+    or a ``MemorySource`` used as it is (a ``TensorTracker`` is entered in each thread that
+    profiles where it does not count already: :meth:`Selection.enter_thread`). A tracker memlab
+    creates is kept between sessions (memory a profiled call keeps is still counted at the next
+    call); it adopts the tensors ``gc`` can reach at its first session and, at every profiled
+    call, those the call's arguments, its function's globals and its callers' local variables
+    hold (:meth:`TensorTracker.adopt_from_call`). A tracker the user entered is used as it is.
     """
 
     def __init__(self, source: str | MemorySource | None = None) -> None:
@@ -193,20 +211,15 @@ class SourceSelector:
                     f"source='cuda' reads a CUDA GPU's own statistics, but the target is {device} "
                     f"and this machine {have}; use source=None or 'tracker' to model the GPU's numbers"
                 )
-            return Selection(CudaSource(device), device, lambda: None, False)
-        from memlab.sources.tracker import TensorTracker, active_tracker, is_active
+            return Selection(CudaSource(device), device, False)
+        from memlab.sources.tracker import TensorTracker, active_tracker
 
-        if isinstance(source, TensorTracker) and not is_active(source):
-            # A tracker handed over but not entered would see no op: enter it for the session.
-            tracker = source.__enter__()
-            return Selection(tracker, device, lambda: tracker.__exit__(None, None, None), fallback)
+        # A tracker is entered by each thread that profiles (Selection.enter_thread), not here.
         if source not in (None, "auto", "tracker"):
-            return Selection(source, device, lambda: None, fallback)
-
+            return Selection(source, device, fallback)
         tracker = active_tracker()
         if tracker is not None:
-            return Selection(tracker, device, lambda: None, fallback)
+            return Selection(tracker, device, fallback)
         if self._tracker is None:
             self._tracker = TensorTracker(adopt=True)
-        tracker = self._tracker.__enter__()
-        return Selection(tracker, device, lambda: tracker.__exit__(None, None, None), fallback)
+        return Selection(self._tracker, device, fallback)

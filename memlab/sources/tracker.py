@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _push_mode
 
 from memlab._devices import resolve_device
 from memlab._tensors import call_roots, check_optimizer, live_storages, storages_of
@@ -29,6 +30,7 @@ from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import Stack, capture_stack, is_own_code, make_history
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
+from memlab.sources.threads import follow_new_threads, unreachable_threads
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
@@ -40,7 +42,8 @@ _ALLOCATORS: dict[str | None, Callable[..., Any]] = {
 # the op outside the dispatcher (``torch.tensor([...])`` builds its data, then calls lift_fresh).
 _FRESH_ALIASES = {torch.ops.aten.lift_fresh.default}
 
-_active: list[TensorTracker] = []
+_active: list[TensorTracker] = []  # one item per entry, in any thread, innermost last
+_active_lock = threading.Lock()
 #: Called as ``observer(tracker, storage, nbytes, error)`` when a tracker's modelled allocator raises
 #: ``torch.OutOfMemoryError`` for ``storage`` (``nbytes`` bytes; a new storage, or one grown by
 #: ``resize_``), before the error leaves the op (:mod:`memlab.oom` captures the state of that
@@ -50,7 +53,7 @@ _AT = ("now", "peak")  # the moments by_category can report
 
 
 def is_active(tracker: TensorTracker) -> bool:
-    """Whether ``tracker`` is entered (in any thread's stack of trackers)."""
+    """Whether ``tracker`` is entered (in any thread)."""
     return any(entered is tracker for entered in _active)
 
 
@@ -148,6 +151,15 @@ class TensorTracker(TorchDispatchMode):
     detached views of the same storages, so values and gradients are unchanged). With
     ``history`` off none of this runs.
 
+    Threads: a dispatch mode belongs to the thread that entered it. The tracker also counts the ops
+    of every thread started through :mod:`threading` while it is active (it enters them before
+    their first line, :mod:`memlab.sources.threads`); such a thread still running after the tracker
+    exits keeps it on its stack, passing ops through uncounted (a few microseconds each) until it
+    is entered again or the thread ends. It can be entered in several threads at once, each
+    exiting its own entry. Threads that were already running when it was entered (a thread pool
+    made before) are not counted: :attr:`threads_not_counted` names those that are not daemons.
+    Activations of other threads are not categorised in the history.
+
     What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
     single op, the CUDA context, NCCL buffers, memory allocated outside PyTorch's dispatcher
     (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), ``torch.cuda.empty_cache()``
@@ -201,8 +213,17 @@ class TensorTracker(TorchDispatchMode):
         self._models: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._hooks: list[Any] = []  # removable handles of the hooks that categorise, while active
-        self._saved_tensors_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._counting = 0  # entries not exited yet: ops are counted while > 0
+        self._categorising = False  # history on and the tracker active: the hooks above are in place
+        self._entries = 0  # entries not yet exited, all threads together
+        # entered: this thread's entries; saved: their saved_tensors_hooks; inherited: on its stack
+        # since the thread started (threads die, their idents are reused: not a set of idents)
+        self._here = threading.local()
+        self._inherited: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self._lock = threading.RLock()  # the counting state, shared by every thread that counts
+        self._stop_following: Any = None
+        #: Names of the threads (not daemons) that were running when the tracker became active and
+        #: whose ops it does not count, by thread ident (see the class docstring).
+        self.threads_not_counted: dict[int, str] = {}
         self._left_behind = False  # exited out of order, still on torch's mode stack
         if model is not None:
             self.add_model(model)
@@ -219,33 +240,72 @@ class TensorTracker(TorchDispatchMode):
                 "active; exit that mode before entering the tracker again"
             )
         super().__enter__()
-        self._counting += 1
-        _active.append(self)
+        here = self._here
+        here.entered = getattr(here, "entered", 0) + 1
+        with _active_lock:
+            _active.append(self)
+            first = self._entries == 0
+            self._entries += 1
+        if first:
+            self.threads_not_counted.update(unreachable_threads(self._inherited))
+            self._stop_following = follow_new_threads(self._enter_new_thread)
+        self.threads_not_counted.pop(threading.get_ident(), None)
         if self.adopt_on_enter and not self.adoptions:
             self.adopt()
         if self.history:
-            self._saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-            self._saved_tensors_hooks.__enter__()
-            for ref in self._models:
-                self._hook_model(ref())
-            for ref in self._optimizers:
-                self._hook_optimizer(ref())
+            saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+            saved.__enter__()
+            here.saved = [*getattr(here, "saved", ()), saved]
+            if first:
+                self._categorising = True
+                for ref in self._models:
+                    self._hook_model(ref())
+                for ref in self._optimizers:
+                    self._hook_optimizer(ref())
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._saved_tensors_hooks is not None:
-            self._saved_tensors_hooks.__exit__(*exc_info)
-            self._saved_tensors_hooks = None
+        here = self._here
+        if not getattr(here, "entered", 0):
+            raise RuntimeError(
+                "TensorTracker.__exit__ in a thread that did not enter it: a dispatch mode belongs "
+                "to the thread that entered it, so each thread exits its own entries"
+            )
+        here.entered -= 1
+        if getattr(here, "saved", None):
+            here.saved.pop().__exit__(*exc_info)
+        with _active_lock:
+            _active.remove(self)
+            self._entries -= 1
+            last = self._entries == 0
+        if last:
+            self._stop_following()
+            self._stop_following = None
+            self._categorising = False
             while self._hooks:
                 self._hooks.pop().remove()
-        _active.remove(self)
-        self._counting -= 1
         stack = _get_current_dispatch_mode_stack()
         if stack and stack[-1] is not self and any(mode is self for mode in stack):
             self._left_behind = True  # exited out of order: taken off when the modes above it are
             return
         super().__exit__(*exc_info)
         _exit_left_behind()
+
+    def counts_this_thread(self) -> bool:
+        """Whether the ops of the calling thread reach the tracker: it was entered in this thread
+        (and not exited), or this thread started while it was active. They count while the
+        tracker is active."""
+        here = self._here
+        return getattr(here, "entered", 0) > 0 or getattr(here, "inherited", False)
+
+    def _enter_new_thread(self) -> None:
+        """In a thread started while the tracker is active, before its first line (see
+        :mod:`memlab.sources.threads`): put the tracker on the thread's dispatch stack for the
+        rest of the thread's life, without an entry of its own (the thread cannot be told to
+        exit it), so that its ops count while the tracker is active and pass through otherwise."""
+        _push_mode(self)
+        self._here.inherited = True
+        self._inherited.add(threading.current_thread())
 
     # -- categories -----------------------------------------------------------------------------
     def add_model(self, model: torch.nn.Module) -> None:
@@ -262,7 +322,7 @@ class TensorTracker(TorchDispatchMode):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__} {model!r:.80}")
         if all(ref() is not model for ref in self._models):
             self._models.append(weakref.ref(model))
-            if self._saved_tensors_hooks is not None:
+            if self._categorising:
                 self._hook_model(model)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -272,7 +332,7 @@ class TensorTracker(TorchDispatchMode):
         check_optimizer(optimizer)
         if all(ref() is not optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
-            if self._saved_tensors_hooks is not None:
+            if self._categorising:
                 self._hook_optimizer(optimizer)
 
     @property
@@ -377,36 +437,37 @@ class TensorTracker(TorchDispatchMode):
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if not self._counting:
-            return out  # exited out of order, still on the mode stack: never count into it
-        if self._pending:
-            self._drain()
-        kind = self._kinds.get(func)
-        if kind is None:
-            kind = self._kinds[func] = _OpKind(func)
-        outputs: list[torch.UntypedStorage] = []
-        _collect_storages(out, outputs)
-        inputs: set[int] | None = None
-        live = self._live
-        for storage in outputs:
-            ref = live.get(id(storage))
-            if ref is not None:
-                if kind.writes and ref.nbytes != storage.nbytes():
-                    self._resize(ref, storage)
-            elif kind.fresh:
-                self._track(storage)
-            elif kind.aliases:
-                if kind.resize:
-                    self._track(storage)  # a pre-existing storage grown here: the growth is new
-            else:
-                # Some ops alias an input without saying so in their schema (_unsafe_view):
-                # a storage that came in is never new.
-                if inputs is None:
-                    found: list[torch.UntypedStorage] = []
-                    _collect_storages((args, tuple(kwargs.values()) if kwargs else ()), found)
-                    inputs = {id(s) for s in found}
-                if id(storage) not in inputs:
+        if not self._entries or self._left_behind:
+            return out  # exited (out of order, or before a thread it was inherited by ends): never count
+        with self._lock:  # threads run ops at once; the counting state is one
+            if self._pending:
+                self._drain()
+            kind = self._kinds.get(func)
+            if kind is None:
+                kind = self._kinds[func] = _OpKind(func)
+            outputs: list[torch.UntypedStorage] = []
+            _collect_storages(out, outputs)
+            inputs: set[int] | None = None
+            live = self._live
+            for storage in outputs:
+                ref = live.get(id(storage))
+                if ref is not None:
+                    if kind.writes and ref.nbytes != storage.nbytes():
+                        self._resize(ref, storage)
+                elif kind.fresh:
                     self._track(storage)
+                elif kind.aliases:
+                    if kind.resize:
+                        self._track(storage)  # a pre-existing storage grown here: the growth is new
+                else:
+                    # Some ops alias an input without saying so in their schema (_unsafe_view):
+                    # a storage that came in is never new.
+                    if inputs is None:
+                        found: list[torch.UntypedStorage] = []
+                        _collect_storages((args, tuple(kwargs.values()) if kwargs else ()), found)
+                        inputs = {id(s) for s in found}
+                    if id(storage) not in inputs:
+                        self._track(storage)
         return out
 
     def adopt_from_call(self, frame: FrameType) -> None:
@@ -454,15 +515,18 @@ class TensorTracker(TorchDispatchMode):
         storages = [
             entry.storage for key, entry in live_storages(wanted, roots).items() if key not in self._live
         ]
-        before = {d: a.table.stats["allocated_bytes.all"][0] for d, a in self._allocators.items()}
-        for storage in storages:
-            self._track(storage)
-            if category is not None:
-                self._set_category(storage, category)
-        adopted = sum(
-            a.table.stats["allocated_bytes.all"][0] - before.get(d, 0) for d, a in self._allocators.items()
-        )
-        if storages and self._saved_tensors_hooks is not None:
+        with self._lock:
+            before = {d: a.table.stats["allocated_bytes.all"][0] for d, a in self._allocators.items()}
+            for storage in storages:
+                if id(storage) not in self._live:  # another thread may have counted it meanwhile
+                    self._track(storage)
+                if category is not None:
+                    self._set_category(storage, category)
+            adopted = sum(
+                a.table.stats["allocated_bytes.all"][0] - before.get(d, 0)
+                for d, a in self._allocators.items()
+            )
+        if storages and self._categorising:
             self._categorise_known()  # an added model's adopted parameters are parameters from now on
         if storages or not self.adoptions:  # the first call is kept: "nothing existed before"
             self.adoptions.append((len(storages), adopted))
@@ -529,13 +593,14 @@ class TensorTracker(TorchDispatchMode):
 
     def _drain(self) -> None:
         pending, live = self._pending, self._live
-        while pending:
-            ref = pending.popleft()
-            if live.get(ref.key) is ref:
-                del live[ref.key]
-            if ref.handle is not None:
-                ref.allocator.free(ref.handle)
-                ref.handle = None
+        with self._lock:
+            while pending:
+                ref = pending.popleft()
+                if live.get(ref.key) is ref:
+                    del live[ref.key]
+                if ref.handle is not None:
+                    ref.allocator.free(ref.handle)
+                    ref.handle = None
 
     # -- statistics ---------------------------------------------------------------------------
     def _stats_allocator(self, device: torch.device | str | int | None) -> Any:

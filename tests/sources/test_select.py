@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memlab
 from memlab.sources.cuda import CudaSource
 from memlab.sources.select import SourceSelector, check_target, describe_source, measured_device, open_source
+from memlab.sources.tracker import is_active
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
 
@@ -60,15 +62,28 @@ def test_another_source_is_named_by_its_class():
 def test_an_int_target_without_a_gpu_opens_an_adopting_tracker_on_the_default_device():
     selector = SourceSelector()
     selection = selector.open(check_target(0))
+    assert isinstance(selection.source, memlab.TensorTracker) and selection.source.adopt_on_enter
+    assert selection.device == torch.device("cpu")
+    assert not is_active(selection.source)  # each thread that profiles enters it
+    leave = selection.enter_thread()
     try:
-        assert isinstance(selection.source, memlab.TensorTracker) and selection.source.adopt_on_enter
-        assert selection.device == torch.device("cpu")
+        assert is_active(selection.source) and selection.source.counts_this_thread()
         assert selection.describe().startswith("modelled (no CUDA GPU here): CUDA caching allocator")
     finally:
-        selection.close()
+        leave()
+    assert not is_active(selection.source)
     again = selector.open(0)
     assert again.source is selection.source  # kept between sessions
-    again.close()
+
+
+def test_a_thread_where_the_tracker_counts_already_does_not_enter_it_again():
+    with memlab.TensorTracker(allocator=None) as tracker:
+        selection = SourceSelector("tracker").open(check_target("meta"))
+        leave = selection.enter_thread()
+        assert _get_current_dispatch_mode_stack() == [tracker]  # not pushed a second time
+        leave()
+        assert _get_current_dispatch_mode_stack() == [tracker]
+    assert not is_active(tracker)
 
 
 def test_an_entered_tracker_is_used_as_it_is():

@@ -1,0 +1,91 @@
+"""Offload files for :class:`memlab.Courtesy`: raw bytes written once, read back, deleted without
+failing, and Ctrl-C held back while tensors are being put back."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+__all__ = ["interrupts_held", "read_bytes", "reason", "remove_file", "warn_undeletable", "write_bytes"]
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C back until the block is done, then raise its ``KeyboardInterrupt``: a block that
+    puts tensors back is never left half done. Only where Python's own SIGINT handler is installed
+    and only in the main thread (the one that receives signals); elsewhere the block runs as is."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:  # also in place of an error of the block: Ctrl-C asked to stop
+            raise KeyboardInterrupt
+
+
+def _buffer(storage: torch.UntypedStorage) -> memoryview:
+    """The bytes of a CPU ``storage`` as a writable buffer. Not through ``.numpy()``: PyTorch then
+    marks the storage as shared with NumPy for good (``resizable()`` turns false)."""
+    return memoryview((ctypes.c_ubyte * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
+
+
+def write_bytes(path: Path, storage: torch.UntypedStorage) -> None:
+    """Write the bytes of a CPU ``storage`` to a new file at ``path``."""
+    with open(path, "xb") as file:
+        file.write(_buffer(storage))
+
+
+def read_bytes(path: Path, nbytes: int) -> torch.UntypedStorage:
+    """The ``nbytes`` bytes written to ``path``, in a new CPU storage; ``OSError`` when the file is
+    missing or unreadable, or holds another number of bytes (truncated or changed)."""
+    storage = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        read = file.readinto(_buffer(storage)) if size == nbytes else None
+    if read != nbytes:
+        raise OSError(f"the file holds {size} bytes, {nbytes} were written: it was truncated or changed")
+    return storage
+
+
+def remove_file(path: Path | None, undeletable: list[str]) -> None:
+    """Delete an offload file; one that cannot be deleted is added to ``undeletable``."""
+    if path is None:
+        return
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        undeletable.append(f"{path} ({reason(error)})")
+
+
+def warn_undeletable(undeletable: list[str]) -> None:
+    """One warning naming the files (or folder) that could not be deleted; the data is safe."""
+    if undeletable:
+        warnings.warn(
+            f"Courtesy could not delete {len(undeletable)} offload file{'s' * (len(undeletable) != 1)} "
+            "after use (the tensors are fine); delete them yourself: " + ", ".join(undeletable),
+            stacklevel=4,
+        )
+
+
+def reason(error: BaseException) -> str:
+    """An error in a few words: ``No such file or directory``, not the path again."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__
