@@ -15,9 +15,7 @@ costs host memory and time) and says which op and line forced it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import linecache
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memlab._devices import parse_device
 from memlab._units import format_size, parse_size
 from memlab.estimate.copies import Copier
+from memlab.estimate.sizes import RealSizes
 from memlab.history import categories
 from memlab.history.recorder import capture_stack
 from memlab.sources.tracker import TensorTracker
@@ -65,70 +64,33 @@ class EstimateError(ValueError):
     """The call cannot be estimated as given (the message says why and what to change)."""
 
 
-# Losses whose kernels compute the unreduced loss into the output's storage, then reduce it in place:
-# with reduction "mean" or "sum" the 0-dim loss keeps a storage of the inputs' broadcast size for as
-# long as it lives (aten/src/ATen/native/Loss.cpp; measured on CPU: tests/estimate). Their meta
-# kernels make a 0-dim storage, so a data-free run counts what the real kernel allocates instead.
-_FULL_STORAGE_LOSSES = {
-    torch.ops.aten.mse_loss.default,
-    torch.ops.aten.smooth_l1_loss.default,
-    torch.ops.aten.binary_cross_entropy.default,
-    torch.ops.aten.soft_margin_loss.default,
-}
-
-
 class _Tracker(TensorTracker):
-    """A tracker that remembers the first op fake tensors could not run, and where, and counts
-    the storages that real kernels allocate larger than their meta kernels do."""
+    """A tracker that remembers the first op fake tensors could not run, and where, and (given
+    ``kernels``, whose kernels a fake run mimics) counts the storages real kernels allocate where
+    they differ from the meta kernels' (:mod:`memlab.estimate.sizes`)."""
 
     forced_by: str | None = None
     estimated: str | None = None  # how the estimate ran, for the line that says where numbers come from
-    _real_nbytes: int | None = None
+
+    def __init__(self, *, kernels: str | None = None, **options: Any) -> None:
+        super().__init__(**options)
+        self.real_sizes = RealSizes(kernels) if kernels is not None else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _FULL_STORAGE_LOSSES:
-            self._real_nbytes = _full_loss_nbytes(func, args, kwargs)
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            if self.real_sizes is None:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            run = super().__torch_dispatch__
+            return self.real_sizes.run(func, args, lambda: run(func, types, args, kwargs))
         except _DATA_DEPENDENT:
             if self.forced_by is None:
                 self.forced_by = _describe_op(func)
             raise
-        finally:
-            self._real_nbytes = None
 
-    def _track(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> None:
-        real = self._real_nbytes
-        if real is not None and nbytes is None and storage.nbytes() < real:
-            self._real_nbytes = None
-            self._oversized.add(id(storage))
-            nbytes = real
-        super()._track(storage, nbytes)
-
-    def _resize(self, ref: Any, storage: torch.UntypedStorage) -> None:
-        if ref.key in self._oversized and storage.nbytes() < ref.nbytes:
-            return  # in place on an oversized loss: the real storage keeps its size
-        super()._resize(ref, storage)
-
-    @functools.cached_property
-    def _oversized(self) -> set[int]:
-        return set()
-
-
-def _full_loss_nbytes(func: Any, args: Any, kwargs: Any) -> int | None:
-    """Bytes of the storage a full-storage loss keeps (see ``_FULL_STORAGE_LOSSES``), or ``None``
-    for ``reduction="none"`` (whose output has that size anyway)."""
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.name == "reduction":
-            if kwargs and "reduction" in kwargs:
-                reduction = kwargs["reduction"]
-            else:
-                reduction = args[index] if index < len(args) else argument.default_value
-            break
-    if reduction == 0:  # at::Reduction::None
-        return None
-    input, target = args[0], args[1]
-    return math.prod(torch.broadcast_shapes(input.shape, target.shape)) * input.element_size()
+    @property
+    def size_caveats(self) -> list[str]:
+        """What the run hit whose real size is not known without data (one sentence each)."""
+        return list(self.real_sizes.caveats) if self.real_sizes is not None else []
 
 
 def _describe_op(func: Any) -> str:
@@ -307,7 +269,10 @@ def estimate(
     ``"cpu"``, ``"meta"``; default: the arguments' device type, else torch's default device. On a
     machine without CUDA, ``device="cuda"`` runs fake CPU tensors with CUDA's kernel choices
     substituted where they allocate differently (:mod:`memlab.estimate.kernels`); differences not
-    handled are named in ``caveats`` when the run hits them.
+    handled are named in ``caveats`` when the run hits them. Where a real kernel allocates other
+    storages than its meta kernel (:data:`memlab.estimate.sizes.CORRECTIONS`), the estimate counts
+    the real kernel's; for a CPU LSTM layer, oneDNN's workspace, measured once per layer shape by
+    running the kernel on zeros (host memory and the time of one layer's forward).
 
     An op that fake tensors cannot run (its output depends on tensor values: ``.item()``,
     ``nonzero``, boolean masks, ``if tensor:``) makes the estimate run ``fn`` for real on CPU
@@ -364,7 +329,7 @@ def run_estimate(
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
-    tracker = _Tracker(history=True)
+    tracker = _Tracker(history=True, kernels=device.type if method == "fake" else None)
     tracker.estimated = _HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
     kernels = _kernels(device, data_free=method != "cpu")
     caveats: list[str] = []
@@ -416,7 +381,7 @@ def run_estimate(
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
         if tracker.forced_by is None:
-            caveats += _outside_tensors(outside)
+            caveats += _outside_tensors(outside) + tracker.size_caveats
             if kernels is not None:
                 caveats += kernels.caveats + _host_step_counters(copier.optimizers)
     if tracker.forced_by is not None:  # the run read values fake tensors do not have
