@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -474,8 +476,10 @@ def _stats_device(tracker: TensorTracker) -> torch.device:
 
 def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
     """From now on, the real tensors ``mode`` is handed by an op: tensors the call reached other
-    than through its copied arguments (the constants fake tensors make of literals are not). One
-    that requires grad is an :class:`EstimateError` at once: backward would give it a gradient."""
+    than through its copied arguments (the constants fake tensors make of literals are not, nor
+    the outputs of an op without a meta kernel, which ``mode`` runs for real on zeros and hands
+    back as fake tensors: the tracker counts those as the op's outputs). One that requires grad
+    is an :class:`EstimateError` at once: backward would give it a gradient."""
     found: list[torch.Tensor] = []
     if mode is None:
         return found
@@ -485,7 +489,7 @@ def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
     def from_real_tensor(
         fake_mode: Any, tensor: torch.Tensor, make_constant: bool = False, *a: Any, **k: Any
     ) -> Any:
-        if not make_constant and converter._get_memo(tensor) is None:
+        if not make_constant and converter._get_memo(tensor) is None and not _fallback_output():
             if tensor.requires_grad:
                 what = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
                 raise EstimateError(
@@ -498,6 +502,14 @@ def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
 
     converter.from_real_tensor = from_real_tensor
     return found
+
+
+def _fallback_output() -> bool:
+    """Whether ``from_real_tensor`` is being called by FakeTensorMode's fallback for an op without a
+    meta kernel, on the op's real outputs (torch/_subclasses/fake_tensor.py: run_fallback_kernel,
+    map_out): two frames up from here."""
+    caller = sys._getframe(2).f_code
+    return caller.co_name == "map_out" and caller.co_filename == fake_tensor.__file__
 
 
 def _outside_tensors(found: list[torch.Tensor]) -> list[str]:
