@@ -281,9 +281,9 @@ ZOO: dict[str, Case] = {
         corrects=ONEDNN_LSTM,
     ),
     "lstm_no_bias_bfloat16": Case(
-        lambda: (layer, nn.LSTM(32, 64, bias=False).bfloat16(), R(20, 8, 32).bfloat16()), corrects=ONEDNN_LSTM
+        lambda: (layer, nn.LSTM(32, 64, bias=False).bfloat16(), R(10, 8, 32).bfloat16()), corrects=ONEDNN_LSTM
     ),
-    "lstm_projection": Case(lambda: (layer, nn.LSTM(64, 256, proj_size=64, batch_first=True), R(32, 12, 64))),
+    "lstm_projection": Case(lambda: (layer, nn.LSTM(64, 256, proj_size=64, batch_first=True), R(32, 6, 64))),
     "lstm_inference": Case(
         lambda: (inference, nn.LSTM(64, 256, num_layers=2), R(24, 32, 64)), corrects=ONEDNN_LSTM[:1]
     ),
