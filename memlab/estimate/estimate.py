@@ -15,14 +15,14 @@ costs host memory and time) and says which op and line forced it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import linecache
-import math
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memlab._devices import parse_device
 from memlab._units import format_size, parse_size
 from memlab.estimate.copies import Copier
+from memlab.estimate.sizes import RealSizes
 from memlab.history import categories
 from memlab.history.recorder import capture_stack
 from memlab.sources.tracker import TensorTracker
@@ -67,76 +68,39 @@ class EstimateError(ValueError):
     """The call cannot be estimated as given (the message says why and what to change)."""
 
 
-# Losses whose kernels compute the unreduced loss into the output's storage, then reduce it in place:
-# with reduction "mean" or "sum" the 0-dim loss keeps a storage of the inputs' broadcast size for as
-# long as it lives (aten/src/ATen/native/Loss.cpp; measured on CPU: tests/estimate). Their meta
-# kernels make a 0-dim storage, so a data-free run counts what the real kernel allocates instead.
-_FULL_STORAGE_LOSSES = {
-    torch.ops.aten.mse_loss.default,
-    torch.ops.aten.smooth_l1_loss.default,
-    torch.ops.aten.binary_cross_entropy.default,
-    torch.ops.aten.soft_margin_loss.default,
-}
-
-
 class _Tracker(TensorTracker):
-    """A tracker that remembers the first op fake tensors could not run, and where, and counts
-    the storages that real kernels allocate larger than their meta kernels do."""
+    """A tracker that remembers the first op fake tensors could not run, and where, and (given
+    ``kernels``, whose kernels a fake run mimics) counts the storages real kernels allocate where
+    they differ from the meta kernels' (:mod:`memlab.estimate.sizes`)."""
 
     forced_by: str | None = None
     estimated: str | None = None  # how the estimate ran, for the line that says where numbers come from
-    _real_nbytes: int | None = None
+
+    def __init__(self, *, kernels: str | None = None, **options: Any) -> None:
+        super().__init__(**options)
+        self.real_sizes = RealSizes(kernels) if kernels is not None else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _FULL_STORAGE_LOSSES:
-            self._real_nbytes = _full_loss_nbytes(func, args, kwargs)
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            if self.real_sizes is None:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            run = super().__torch_dispatch__
+            return self.real_sizes.run(func, args, lambda: run(func, types, args, kwargs))
         except _DATA_DEPENDENT:
             if self.forced_by is None:
                 self.forced_by = _describe_op(func)
             raise
-        finally:
-            self._real_nbytes = None
 
-    def _track(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> None:
-        real = self._real_nbytes
-        if real is not None and nbytes is None and storage.nbytes() < real:
-            self._real_nbytes = None
-            self._oversized.add(id(storage))
-            nbytes = real
-        super()._track(storage, nbytes)
+    @property
+    def size_caveats(self) -> list[str]:
+        """What the run hit whose real size is not known without data (one sentence each)."""
+        return list(self.real_sizes.caveats) if self.real_sizes is not None else []
 
     def _out_of_memory(
         self, storage: torch.UntypedStorage, nbytes: int, error: torch.OutOfMemoryError
     ) -> None:
         """An estimate that runs out of its capacity answers a question (does it fit?); it is not
         the user's out-of-memory error, so the OOM observers (``explain_oom``) are not told."""
-
-    def _resize(self, ref: Any, storage: torch.UntypedStorage) -> None:
-        if ref.key in self._oversized and storage.nbytes() < ref.nbytes:
-            return  # in place on an oversized loss: the real storage keeps its size
-        super()._resize(ref, storage)
-
-    @functools.cached_property
-    def _oversized(self) -> set[int]:
-        return set()
-
-
-def _full_loss_nbytes(func: Any, args: Any, kwargs: Any) -> int | None:
-    """Bytes of the storage a full-storage loss keeps (see ``_FULL_STORAGE_LOSSES``), or ``None``
-    for ``reduction="none"`` (whose output has that size anyway)."""
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.name == "reduction":
-            if kwargs and "reduction" in kwargs:
-                reduction = kwargs["reduction"]
-            else:
-                reduction = args[index] if index < len(args) else argument.default_value
-            break
-    if reduction == 0:  # at::Reduction::None
-        return None
-    input, target = args[0], args[1]
-    return math.prod(torch.broadcast_shapes(input.shape, target.shape)) * input.element_size()
 
 
 def _describe_op(func: Any) -> str:
@@ -327,7 +291,10 @@ def estimate(
     ``"cpu"``, ``"meta"``; default: the arguments' device type, else torch's default device. On a
     machine without CUDA, ``device="cuda"`` runs fake CPU tensors with CUDA's kernel choices
     substituted where they allocate differently (:mod:`memlab.estimate.kernels`); differences not
-    handled are named in ``caveats`` when the run hits them.
+    handled are named in ``caveats`` when the run hits them. Where a real kernel allocates other
+    storages than its meta kernel (:data:`memlab.estimate.sizes.CORRECTIONS`), the estimate counts
+    the real kernel's; for a CPU LSTM layer, oneDNN's workspace, measured once per layer shape by
+    running the kernel on zeros (host memory and the time of one layer's forward).
 
     ``steps``: how many times to call ``fn`` in a row on the same copies, as a training loop
     ``for ...: result = fn(...)`` does (gradients, optimizer state and the previous result carried
@@ -407,7 +374,7 @@ def run_estimate(
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
-    tracker = _Tracker(history=True, capacity=capacity)
+    tracker = _Tracker(history=True, capacity=capacity, kernels=device.type if method == "fake" else None)
     tracker.estimated = _HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
     kernels = _kernels(device, data_free=method != "cpu")
     caveats: list[str] = []
@@ -467,7 +434,7 @@ def run_estimate(
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
         if tracker.forced_by is None:
-            caveats += _outside_tensors(outside)
+            caveats += _outside_tensors(outside) + tracker.size_caveats
             if kernels is not None:
                 caveats += kernels.caveats + _host_step_counters(list(optimizers))
     if tracker.forced_by is not None:  # the run read values fake tensors do not have
@@ -583,8 +550,10 @@ def _stats_device(tracker: TensorTracker) -> torch.device:
 
 def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
     """From now on, the real tensors ``mode`` is handed by an op: tensors the call reached other
-    than through its copied arguments (the constants fake tensors make of literals are not). One
-    that requires grad is an :class:`EstimateError` at once: backward would give it a gradient."""
+    than through its copied arguments (the constants fake tensors make of literals are not, nor
+    the outputs of an op without a meta kernel, which ``mode`` runs for real on zeros and hands
+    back as fake tensors: the tracker counts those as the op's outputs). One that requires grad
+    is an :class:`EstimateError` at once: backward would give it a gradient."""
     found: list[torch.Tensor] = []
     if mode is None:
         return found
@@ -594,7 +563,7 @@ def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
     def from_real_tensor(
         fake_mode: Any, tensor: torch.Tensor, make_constant: bool = False, *a: Any, **k: Any
     ) -> Any:
-        if not make_constant and converter._get_memo(tensor) is None:
+        if not make_constant and converter._get_memo(tensor) is None and not _fallback_output():
             if tensor.requires_grad:
                 what = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
                 raise EstimateError(
@@ -607,6 +576,14 @@ def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
 
     converter.from_real_tensor = from_real_tensor
     return found
+
+
+def _fallback_output() -> bool:
+    """Whether ``from_real_tensor`` is being called by FakeTensorMode's fallback for an op without a
+    meta kernel, on the op's real outputs (torch/_subclasses/fake_tensor.py: run_fallback_kernel,
+    map_out): two frames up from here."""
+    caller = sys._getframe(2).f_code
+    return caller.co_name == "map_out" and caller.co_filename == fake_tensor.__file__
 
 
 def _outside_tensors(found: list[torch.Tensor]) -> list[str]:
