@@ -43,6 +43,8 @@ class Copier:
         self.inputs: list[torch.Tensor] = []
         #: Every tensor copy made, in order (until :meth:`release`).
         self.copies: list[torch.Tensor] = []
+        #: The tensor each of :attr:`copies` copies, in the same order (until :meth:`release`).
+        self.originals: list[torch.Tensor] = []
 
     # -- tensors --------------------------------------------------------------------------------
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -57,6 +59,7 @@ class Copier:
             new.grad = self.tensor(tensor.grad)
         self._remember(tensor, new)
         self.copies.append(new)
+        self.originals.append(tensor)
         return new
 
     def _remember(self, original: Any, new: Any) -> None:
@@ -72,6 +75,7 @@ class Copier:
         self._memo.clear()
         self._keep.clear()
         self.copies.clear()
+        self.originals.clear()
         self._copy_tensor = _released
 
     # -- structures -----------------------------------------------------------------------------

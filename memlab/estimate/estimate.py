@@ -388,6 +388,8 @@ def run_estimate(
     method: str | None = None,
     steps: int = 1,
     capacity: int | None = None,
+    start: Callable[[TensorTracker, Copier], None] | None = None,
+    call_context: Callable[[Copier, int], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Estimate:
     """Run ``fn`` on data-free copies of what ``make_arguments()`` returns (``(args, kwargs)``;
     called under the fake mode, so tensors it creates are fake from the start) and return the
@@ -395,7 +397,15 @@ def run_estimate(
     that accumulates into existing gradients); ``backward``: call ``.backward()`` on the result;
     ``profiler``: a LineProfiler enabled around the call; ``method``: force ``"cpu"``; ``steps``:
     calls in a row (see :func:`estimate`); ``capacity``: the modelled device's memory in bytes
-    (``torch.OutOfMemoryError`` where the run needs more)."""
+    (``torch.OutOfMemoryError`` where the run needs more).
+
+    ``start(tracker, copier)`` is called before anything is counted, the copies made
+    (``copier.copies`` with their ``copier.originals``): it may start the tracker from an
+    allocator in a given state (:meth:`TensorTracker.resume`: a process's cached segments, with
+    copies in their originals' blocks) instead of an empty one; the copies it does not place are
+    counted as new allocations, and the run's peaks are those of that allocator from there (its
+    ``by_category(at="peak")`` reads the allocator's whole history). ``call_context(copier, i)``:
+    the context manager the ``i``-th call of ``fn`` (from 0) runs in, given the copies."""
     method = method or ("meta" if device.type == "meta" else "fake")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
 
@@ -403,6 +413,7 @@ def run_estimate(
         return run_estimate(
             fn, make_arguments, device, with_grads=with_grads, backward=backward,
             profiler=new_profiler, method=method, steps=steps, capacity=capacity,
+            start=start, call_context=call_context,
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
@@ -429,6 +440,8 @@ def run_estimate(
                     optimizer_defaults += 1
         try:
             with tracker, kernels or contextlib.nullcontext():
+                if start is not None:
+                    start(tracker, copier)
                 tracker.adopt(roots=copier.modules)
                 tracker.adopt(roots=copier.optimizers)
                 tracker.adopt(roots=copier.inputs, category=categories.INPUT)
@@ -439,8 +452,9 @@ def run_estimate(
                 reserved_peaks = []
                 with profiler or contextlib.nullcontext():
                     result = None
-                    for _ in range(steps):
-                        result = call(*args, **kwargs)
+                    for index in range(steps):
+                        with call_context(copier, index) if call_context else contextlib.nullcontext():
+                            result = call(*args, **kwargs)
                         if backward:
                             result.backward()
                         reserved_peaks.append(tracker.max_memory_reserved(_stats_device(tracker)))
@@ -481,6 +495,8 @@ def run_estimate(
             method="cpu",
             steps=steps,
             capacity=capacity,
+            start=start,
+            call_context=call_context,
         )
         cpu.forced_by = tracker.forced_by
         return cpu
