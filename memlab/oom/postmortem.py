@@ -3,8 +3,10 @@
 Each remedy is a function of the capture that returns a :class:`~memlab.oom.report.Remedy` with a
 computed peak, or ``None`` where it does not apply or cannot be computed (no history, no step to
 estimate): a remedy is never shown without its number. Allocator remedies replay the recorded
-allocations through :class:`memlab.CachingAllocatorModel` with another setting; step remedies
-(:mod:`memlab.oom.step`) estimate the failing step under the change without running it.
+allocations through :class:`memlab.CachingAllocatorModel` with another setting, and estimate the
+watched step from the state the failing call would have found under it; step remedies
+(:mod:`memlab.oom.step`) estimate the failing step under the change without running it, from the
+allocator state right after the failure (:mod:`memlab.oom.state`).
 """
 
 from __future__ import annotations
