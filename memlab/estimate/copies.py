@@ -30,8 +30,8 @@ class Copier:
     """Copies objects with ``copy_tensor`` applied to each tensor, each object once (a tensor held
     twice, or a parameter held by a module and an optimizer, is copied once and shared).
 
-    ``modules``, ``optimizers`` and ``inputs`` list the copies made, in order, until
-    :meth:`release`: the tensors that are not parameters, buffers or optimizer state are the
+    ``modules``, ``optimizers`` and ``inputs`` list the copies made, in order (``inputs`` until
+    :meth:`release`): the tensors that are not parameters, buffers or optimizer state are the
     call's inputs.
     """
 
@@ -44,6 +44,8 @@ class Copier:
         self.inputs: list[torch.Tensor] = []
         #: Every tensor copy made, in order (until :meth:`release`).
         self.copies: list[torch.Tensor] = []
+        #: The tensor each of :attr:`copies` copies, in the same order (until :meth:`release`).
+        self.originals: list[torch.Tensor] = []
 
     # -- tensors --------------------------------------------------------------------------------
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -58,6 +60,7 @@ class Copier:
             new.grad = self.tensor(tensor.grad)
         self._remember(tensor, new)
         self.copies.append(new)
+        self.originals.append(tensor)
         return new
 
     def _remember(self, original: Any, new: Any) -> None:
@@ -68,11 +71,12 @@ class Copier:
         """Drop every reference the copier holds to copies of tensors, so that each copy lives
         exactly as long as the copied structures (modules, optimizers, arguments) hold it, as the
         original does in the user's program: a step that sets gradients to ``None`` or replaces
-        optimizer state or drops a global's tensor frees them at that moment. The lists of copies
-        made are emptied too; nothing more can be copied."""
+        optimizer state or drops a global's tensor frees them at that moment. ``inputs``, ``copies``
+        and ``originals`` are emptied; ``modules`` and ``optimizers`` stay listed (a program holds its
+        model and optimizer for the whole step). Nothing more can be copied."""
         self._memo.clear()
         self._keep.clear()
-        for made in (self.modules, self.optimizers, self.inputs, self.copies):
+        for made in (self.inputs, self.copies, self.originals):
             made.clear()
         self._copy_tensor = _released
 

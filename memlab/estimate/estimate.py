@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import linecache
 import sys
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -356,6 +355,8 @@ def run_estimate(
     method: str | None = None,
     steps: int = 1,
     capacity: int | None = None,
+    start: Callable[[TensorTracker, Copier], None] | None = None,
+    call_context: Callable[[Copier, int], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Estimate:
     """Run ``fn`` on data-free copies of what ``make_arguments()`` returns (``(args, kwargs)``;
     called under the fake mode, so tensors it creates are fake from the start) and return the
@@ -363,7 +364,15 @@ def run_estimate(
     that accumulates into existing gradients); ``backward``: call ``.backward()`` on the result;
     ``profiler``: a LineProfiler enabled around the call; ``method``: force ``"cpu"``; ``steps``:
     calls in a row (see :func:`estimate`); ``capacity``: the modelled device's memory in bytes
-    (``torch.OutOfMemoryError`` where the run needs more)."""
+    (``torch.OutOfMemoryError`` where the run needs more).
+
+    ``start(tracker, copier)`` is called before anything is counted, the copies made
+    (``copier.copies`` with their ``copier.originals``): it may start the tracker from an
+    allocator in a given state (:meth:`TensorTracker.resume`: a process's cached segments, with
+    copies in their originals' blocks) instead of an empty one; the copies it does not place are
+    counted as new allocations, and the run's peaks are those of that allocator from there (its
+    ``by_category(at="peak")`` reads the allocator's whole history). ``call_context(copier, i)``:
+    the context manager the ``i``-th call of ``fn`` (from 0) runs in, given the copies."""
     method = method or ("meta" if device.type == "meta" else "fake")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
 
@@ -371,6 +380,7 @@ def run_estimate(
         return run_estimate(
             fn, make_arguments, device, with_grads=with_grads, backward=backward,
             profiler=new_profiler, method=method, steps=steps, capacity=capacity,
+            start=start, call_context=call_context,
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
@@ -397,19 +407,21 @@ def run_estimate(
                     optimizer_defaults += 1
         try:
             with tracker, kernels or contextlib.nullcontext():
+                if start is not None:
+                    start(tracker, copier)
                 tracker.adopt(roots=copier.modules)
                 tracker.adopt(roots=copier.optimizers)
                 tracker.adopt(roots=copier.inputs, category=categories.INPUT)
                 tracker.adopt(roots=copier.copies)
                 # One adoption, as the line that says where numbers come from reports it.
                 tracker.adoptions[:] = [tuple(map(sum, zip(*tracker.adoptions, strict=True)))]
-                optimizers = weakref.WeakSet(copier.optimizers)  # for the step counters' caveat
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
                 with profiler or contextlib.nullcontext():
                     result = None
-                    for _ in range(steps):
-                        result = call(*args, **kwargs)
+                    for index in range(steps):
+                        with call_context(copier, index) if call_context else contextlib.nullcontext():
+                            result = call(*args, **kwargs)
                         if backward:
                             result.backward()
                         reserved_peaks.append(tracker.max_memory_reserved(_stats_device(tracker)))
@@ -436,7 +448,7 @@ def run_estimate(
         if tracker.forced_by is None:
             caveats += _outside_tensors(outside) + tracker.size_caveats
             if kernels is not None:
-                caveats += kernels.caveats + _host_step_counters(list(optimizers))
+                caveats += kernels.caveats + _host_step_counters(copier.optimizers)
     if tracker.forced_by is not None:  # the run read values fake tensors do not have
         if method == "cpu":
             raise AssertionError("a real CPU run cannot need values")  # pragma: no cover
@@ -450,6 +462,8 @@ def run_estimate(
             method="cpu",
             steps=steps,
             capacity=capacity,
+            start=start,
+            call_context=call_context,
         )
         cpu.forced_by = tracker.forced_by
         return cpu

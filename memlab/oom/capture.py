@@ -14,14 +14,14 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
 
 import torch
 
-from memlab._tensors import live_tensors
+from memlab._tensors import live_tensors, storages_of
 from memlab.history import categories
 from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
 from memlab.sources.allocator.config import allocation_size, round_size
@@ -102,6 +102,9 @@ class OOMCapture:
 
     ``requested`` is the storage's size, ``block_size`` the allocator's rounded block for it and
     ``segment_size`` the device allocation it tried (``Tried to allocate`` in PyTorch's message).
+    ``kept`` maps ``id`` of each storage that the call's arguments and the names its function
+    uses hold (parameters, gradients, optimizer state, inputs: what outlives the failure) to the
+    address of its block (with a trace only; see :func:`kept_blocks`).
     ``stats`` are ``memory_stats()`` at that moment (after the allocator's retry path freed its
     unused cached segments). ``snapshot`` is the ``torch.cuda.memory._snapshot()`` dict (with its
     trace where a history was recorded), ``trace_complete`` whether that trace holds every event
@@ -127,6 +130,7 @@ class OOMCapture:
     trace_checked: bool | None = None  # whether a replay of the trace ends where the allocator was
     call: Call | None = None
     note: str | None = None
+    kept: dict[int, int] = field(default_factory=dict)
     sequence: int = field(default_factory=lambda: next(_sequence))
 
 
@@ -273,6 +277,24 @@ def _held_across_calls(tracker: Any, snapshot: dict[str, Any], call: Call | None
     return held
 
 
+def kept_blocks(call: Call | None, address: Callable[[torch.Tensor], int | None]) -> dict[int, int]:
+    """``id(storage) -> block address`` (``address(tensor)``; ``None``: not in a block) of the
+    storages held by ``call``'s arguments and by the objects its function names (a global model
+    and optimizer): the memory that outlives the failing call, whatever it allocated."""
+    if call is None:
+        return {}
+    from memlab.estimate.copies import named_objects
+
+    roots = [*call.args, *call.kwargs.values(), *named_objects(call.func)]
+    kept: dict[int, int] = {}
+    for tensor in live_tensors(roots):
+        storages = storages_of(tensor)
+        found = address(tensor) if storages else None  # the block of its first storage
+        if found is not None:
+            kept[id(storages[0])] = found
+    return kept
+
+
 def capture_tracker_oom(
     tracker: Any,
     storage: torch.UntypedStorage,
@@ -313,6 +335,7 @@ def capture_tracker_oom(
             capture.snapshot = tracker.snapshot(device)
             capture.trace_complete = history.recorded == len(history)
             capture.held = _held_across_calls(tracker, capture.snapshot, call)
+            capture.kept = kept_blocks(call, tracker.block_address)
     finally:
         if was_enabled:
             gc.enable()
@@ -349,7 +372,17 @@ def capture_cuda_oom(
         call=call,
     )
     capture.culprits = _culprits(torch.device("cuda", device), call, None, None)
+    if capture.trace_complete:
+        capture.kept = kept_blocks(call, lambda t: _cuda_block(t, device))
     return capture
+
+
+def _cuda_block(tensor: torch.Tensor, device: int) -> int | None:
+    """The address of the CUDA caching allocator's block that holds ``tensor``'s storage: where the
+    storage's data starts (a block is handed out from its start)."""
+    if tensor.device != torch.device("cuda", device):
+        return None
+    return tensor.untyped_storage().data_ptr() or None
 
 
 def failing_frame(stack: Stack) -> Frame | None:

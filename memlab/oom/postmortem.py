@@ -3,15 +3,17 @@
 Each remedy is a function of the capture that returns a :class:`~memlab.oom.report.Remedy` with a
 computed peak, or ``None`` where it does not apply or cannot be computed (no history, no step to
 estimate): a remedy is never shown without its number. Allocator remedies replay the recorded
-allocations through :class:`memlab.CachingAllocatorModel` with another setting; step remedies
-(:mod:`memlab.oom.step`) estimate the failing step under the change without running it.
+allocations through :class:`memlab.CachingAllocatorModel` with another setting, and estimate the
+watched step from the state the failing call would have found under it; step remedies
+(:mod:`memlab.oom.step`) estimate the failing step under the change without running it, from the
+allocator state right after the failure (:mod:`memlab.oom.state`).
 """
 
 from __future__ import annotations
 
 import linecache
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from memlab._units import format_size
@@ -120,23 +122,48 @@ def _replayable(capture: OOMCapture) -> bool:
     return capture.trace_checked
 
 
+def _setting_peak(capture: OOMCapture, config: str, replayed: int) -> tuple[int, str | None]:
+    """``(peak reserved, unsure)`` of allocator settings ``config``: with a watched step that keeps
+    nothing across calls, the step estimated for whole steps from the history before the failing
+    call replayed under ``config`` (what a restart with it meets); otherwise ``replayed``, the peak
+    of the replay up to the failing request, which says nothing of the rest of the step."""
+    if capture.call is None:
+        return replayed, "replayed up to the failing request only, with no watched step to estimate the rest"
+    if capture.held:
+        return replayed, f"replayed up to the failing request only: {_KEEPS}"
+    from memlab.oom.state import state_before_call
+    from memlab.oom.step import step_peak
+
+    return step_peak(capture, state_before_call(capture, config)), None
+
+
+_KEEPS = "a step that keeps tensors across calls is not estimated again"
+
+
 def expandable_segments_remedy(capture: OOMCapture) -> Remedy | None:
-    """Replay with ``expandable_segments:True`` (only for fragmentation, when it is off)."""
+    """``expandable_segments:True`` (only for fragmentation, when it is off): see
+    :func:`_setting_peak`."""
     if not _replayable(capture) or verdict(capture) != FRAGMENTATION:
         return None
     if parse_alloc_conf(capture.config).expandable_segments:
         return None
     config = _with_option(capture.config, "expandable_segments:True")
-    peak = replay_peak(trace_events(capture.snapshot), config, capture.requested)  # type: ignore[arg-type]
+    replayed = replay_peak(trace_events(capture.snapshot), config, capture.requested)  # type: ignore[arg-type]
+    peak, unsure = _setting_peak(capture, config, replayed)
     return Remedy(
-        "expandable_segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", peak, capture.capacity
+        "expandable_segments",
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        peak,
+        capture.capacity,
+        unsure=unsure,
     )
 
 
 def max_split_size_remedy(capture: OOMCapture) -> Remedy | None:
-    """Replay with each of :data:`MAX_SPLIT_CANDIDATES_MB` as ``max_split_size_mb`` and keep the
-    lowest peak (the largest value among equal peaks). Only for fragmentation without expandable
-    segments and without a ``max_split_size_mb`` already at least as small."""
+    """Replay with each of :data:`MAX_SPLIT_CANDIDATES_MB` as ``max_split_size_mb``, keep the
+    lowest peak (the largest value among equal peaks) and predict it as :func:`_setting_peak`
+    does. Only for fragmentation without expandable segments and without a ``max_split_size_mb``
+    already at least as small."""
     if not _replayable(capture) or verdict(capture) != FRAGMENTATION:
         return None
     current = parse_alloc_conf(capture.config)
@@ -154,20 +181,25 @@ def max_split_size_remedy(capture: OOMCapture) -> Remedy | None:
             best = (peak, megabytes)
     if best is None:
         return None
-    peak, megabytes = best
+    replayed, megabytes = best
+    peak, unsure = _setting_peak(
+        capture, _with_option(capture.config, f"max_split_size_mb:{megabytes}"), replayed
+    )
     return Remedy(
         "max_split_size_mb",
         f"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:{megabytes}",
         peak,
         capture.capacity,
         {"max_split_size_mb": megabytes},
+        unsure=unsure,
     )
 
 
 def free_held_remedy(capture: OOMCapture) -> Remedy | None:
     """Free the tensors an earlier call of the step left alive and this call cannot reach
     (:attr:`OOMCapture.held`) before the call: the bytes it frees, and the peak of the replay with
-    those blocks released when the call began."""
+    those blocks released when the call began, up to the failing request (the step, which keeps
+    tensors, is not estimated again: the prediction is a margin, see ``Remedy.unsure``)."""
     if not capture.held or capture.call is None or not _replayable(capture):
         return None
     frees = sum(block.size for block in capture.held)
@@ -187,6 +219,7 @@ def free_held_remedy(capture: OOMCapture) -> Remedy | None:
         peak,
         capture.capacity,
         {"frees": frees, "tensors": count, "allocated_at": places},
+        unsure=f"replayed up to the failing request only: {_KEEPS}",
     )
 
 
@@ -206,10 +239,11 @@ def _place(stack: tuple[tuple[str, int, str], ...]) -> Place | None:
     return Place(filename, line, function, linecache.getline(filename, line).strip())
 
 
-def _remedies(capture: OOMCapture, notes: list[str]) -> Iterator[Remedy]:
+def _remedies(capture: OOMCapture, notes: list[str]) -> tuple[Remedy, ...]:
+    from memlab.oom.state import failure_state
     from memlab.oom.step import STEP_REMEDIES
 
-    remedies: tuple[Callable[[OOMCapture], Remedy | None], ...] = ALLOCATOR_REMEDIES
+    found = [_attempt(remedy, notes, capture) for remedy in ALLOCATOR_REMEDIES]
     if capture.held:
         # An estimate starts from the step's arguments: memory held elsewhere would be missing from
         # its "fits", and the rerun would add fake tensors to whatever holds them.
@@ -217,16 +251,18 @@ def _remedies(capture: OOMCapture, notes: list[str]) -> Iterator[Remedy]:
             "step remedies left out: tensors held across calls are outside the step's arguments, "
             "where estimates cannot see them; free them first"
         )
-    else:
-        remedies += STEP_REMEDIES
-    for remedy in remedies:
-        try:
-            found = remedy(capture)
-        except Exception as error:  # a remedy that cannot be computed is left out, with a note
-            notes.append(f"{remedy.__name__}: {type(error).__name__}: {error}")
-            continue
-        if found is not None:
-            yield found
+    elif capture.call is not None:
+        start = failure_state(capture)
+        found += [_attempt(remedy, notes, capture, start) for remedy in STEP_REMEDIES]
+    return tuple(remedy for remedy in found if remedy is not None)
+
+
+def _attempt(remedy: Callable[..., Remedy | None], notes: list[str], *args: Any) -> Remedy | None:
+    try:
+        return remedy(*args)
+    except Exception as error:  # a remedy that cannot be computed is left out, with a note
+        notes.append(f"{remedy.__name__}: {type(error).__name__}: {error}")
+        return None
 
 
 def build_report(
@@ -248,7 +284,7 @@ def build_report(
         return OOMReport(error_type, message, _place(stack), caught=caught, notes=notes)
     stack = capture.stack or (traceback_stack(error) if error is not None else ())
     notes: list[str] = [] if capture.note is None else [capture.note]
-    found = tuple(_remedies(capture, notes)) if remedies else ()
+    found = _remedies(capture, notes) if remedies else ()
     stats = capture.stats
     reserved = stats.get("reserved_bytes.all.current", 0)
     allocated = stats.get("allocated_bytes.all.current", 0)

@@ -55,27 +55,48 @@ class Remedy:
     allocations or an estimate of the step), never guessed. ``kind`` names the remedy
     (``expandable_segments``, ``max_split_size_mb``, ``free_held``, ``micro_batch``,
     ``autocast_bf16``, ``autocast_fp16``, ``checkpointing``), ``action`` says what to do, and
-    ``details`` holds its own numbers (the micro-batch size, the bytes freed, ...)."""
+    ``details`` holds its own numbers (the micro-batch size, the bytes freed, ...).
+
+    A prediction is complete when it covers the remedy as the user applies it: whole training
+    steps (:data:`memlab.oom.step.REMEDY_STEPS`) from the allocator state they meet (right after
+    the failure for a change to the step; for an allocator setting, the history before the
+    failing call replayed under it, as a restart with it would run). Otherwise ``unsure`` says
+    what it does not cover (the state at the failure unknown, so estimated from an empty
+    allocator; a replay that ends at the failing request), and the report shows the
+    :attr:`margin` instead of "fits"."""
 
     kind: str
     action: str
     peak_reserved: int
     capacity: int
     details: dict[str, Any] = field(default_factory=dict)
+    unsure: str | None = None
 
     @property
-    def fits(self) -> bool:
-        """Whether the predicted peak reserved bytes fit in the capacity."""
-        return self.peak_reserved <= self.capacity
+    def fits(self) -> bool | None:
+        """``True`` when the predicted peak reserved bytes fit in the capacity and the prediction
+        is complete, ``False`` when they exceed the capacity, ``None`` when they are within it but
+        the prediction is not complete (see ``unsure``): a margin, not a promise."""
+        if self.peak_reserved > self.capacity:
+            return False
+        return True if self.unsure is None else None
+
+    @property
+    def margin(self) -> int:
+        """Capacity minus the predicted peak reserved bytes (negative: what is missing)."""
+        return self.capacity - self.peak_reserved
 
     def to_dict(self) -> dict[str, Any]:
-        """``kind``, ``action``, ``peak_reserved``, ``capacity``, ``fits`` and the details."""
+        """``kind``, ``action``, ``peak_reserved``, ``capacity``, ``fits``, ``margin``,
+        ``unsure`` and the details."""
         return {
             "kind": self.kind,
             "action": self.action,
             "peak_reserved": self.peak_reserved,
             "capacity": self.capacity,
             "fits": self.fits,
+            "margin": self.margin,
+            "unsure": self.unsure,
             **self.details,
         }
 
@@ -157,8 +178,10 @@ class OOMReport:
             )
             width = min(max(len(r.action) for r in self.remedies), _ACTION_WIDTH)
             for r in self.remedies:
-                verdict = "fits" if r.fits else "does not fit"
-                lines.append(f"  {r.action:<{width}} {format_size(r.peak_reserved):>9}  {verdict}")
+                verdict = {True: "fits", False: "does not fit", None: f"margin {format_size(r.margin)}"}
+                lines.append(f"  {r.action:<{width}} {format_size(r.peak_reserved):>9}  {verdict[r.fits]}")
+            unsure = dict.fromkeys(r.unsure for r in self.remedies if r.fits is None)
+            lines += [f"  a margin is no promise: {reason}" for reason in unsure]
         if self.snapshot_path is not None:
             lines.append(f"snapshot: {self.snapshot_path} (memlab viz, or pytorch.org/memory_viz)")
         return "\n".join(lines)

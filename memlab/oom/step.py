@@ -4,7 +4,11 @@ autocast, activation checkpointing) with :mod:`memlab.estimate`, without running
 The step is the watched call (a profiled function, or a function given to ``explain_oom``) with the
 arguments of the call that failed. Estimates run it again on data-free copies of its tensors,
 modules and optimizers (the user's objects are not touched), so other side effects of the step
-(appending to a list, counting) happen again.
+(appending to a list, counting) happen again. Each is estimated for :data:`REMEDY_STEPS` optimizer
+steps in a row, from the allocator state right after the failure (:mod:`memlab.oom.state`: the
+cached segments, and the copies of the live tensors in their originals' blocks) under the
+capacity; where that state is unknown, from an empty allocator, and the report then shows a
+margin instead of "fits".
 """
 
 from __future__ import annotations
@@ -16,12 +20,31 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
 from memlab.oom.capture import Call, OOMCapture
 from memlab.oom.report import Remedy
+from memlab.oom.state import AllocatorState
 
-__all__ = ["STEP_REMEDIES", "find_batch", "repeated_blocks"]
+__all__ = [
+    "REMEDY_STEPS",
+    "STEP_REMEDIES",
+    "Accumulation",
+    "find_batch",
+    "repeated_blocks",
+    "step_peak",
+    "unsure",
+]
+
+#: Optimizer steps each step remedy is estimated for: the first from the state at the failure, the
+#: second from what the first leaves (optimizer state, cached blocks), as training goes on.
+REMEDY_STEPS = 2
+#: Micro-batches estimated per optimizer step at most: the first (gradients as the step found them),
+#: one in the middle (gradients accumulated, no optimizer step) that stands for every middle one,
+#: and the last (the optimizer step).
+MICRO_BATCHES_ESTIMATED = 3
+Start = AllocatorState | str  # the state a remedy starts from, or why the state at the failure is unknown
 
 
 def find_batch(call: Call) -> tuple[int, int] | None:
@@ -43,9 +66,10 @@ def find_batch(call: Call) -> tuple[int, int] | None:
 def _batch_maker(
     call: Call, size: int, dim: int
 ) -> tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]]]:
-    """``(step, make_batch)`` for :func:`memlab.max_batch_size`: ``make_batch(b)`` gives the call's
-    positional arguments with each batch tensor cut to its first ``b`` rows (a copy, so a
-    micro-batch holds only its own rows); keyword arguments follow them, passed back by name."""
+    """``(step, make_batch)`` for an estimate: ``make_batch(b)`` gives the call's positional
+    arguments with each batch tensor cut to its first ``b`` rows (a view of the live batch, as
+    ``x.split(b)`` gives: the estimate copies the whole batch into its block and allocates nothing
+    for the view); keyword arguments follow them, passed back by name."""
     names = list(call.kwargs)
     values = (*call.args, *call.kwargs.values())
     batched = [isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == size for v in values]
@@ -65,47 +89,141 @@ def _batch_maker(
 
 
 def _cut(tensor: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    return tensor.narrow(dim, 0, rows).clone()
+    with unset_fake_temporarily():  # a real view of the user's tensor, made under the estimate's fake mode
+        return tensor.narrow(dim, 0, rows)
 
 
-def micro_batch_remedy(capture: OOMCapture) -> Remedy | None:
-    """The largest micro-batch whose estimated step fits in the capacity
-    (:func:`memlab.max_batch_size` up to the batch the call had) and the accumulation steps that
-    keep the batch; ``None`` without a batch, or when the estimate of the whole batch fits (the
-    memory the step lacked is held outside its arguments: see the held-across-calls remedy)."""
-    from memlab.estimate import max_batch_size
+class Accumulation:
+    """The calls of an estimated step as the micro-batches of gradient accumulation, ``per_step``
+    calls to an optimizer step (a ``call_context`` of :func:`memlab.estimate.estimate.run_estimate`).
+
+    In each call the copied optimizers' ``step()`` runs only if it is the last micro-batch of its
+    optimizer step, and ``zero_grad()`` (of the copied optimizers and modules) only while no
+    skipped ``step()`` is pending: gradients then accumulate across the micro-batches whether the
+    step zeroes them first or last, as in the loop a user writes (backward per micro-batch, one
+    ``optimizer.step()`` and ``zero_grad()`` per batch). Only the copies are changed, for the call.
+    """
+
+    def __init__(self, per_step: int) -> None:
+        self.per_step = per_step
+        self._skipped = False  # a step() skipped since the last one that ran
+
+    @contextlib.contextmanager
+    def __call__(self, copier: Any, index: int) -> Iterator[None]:
+        if index == 0:
+            self._skipped = False
+        last = index % self.per_step == self.per_step - 1
+        patches = [(optimizer, "step", self._step(optimizer.step, last)) for optimizer in copier.optimizers]
+        patches += [(owner, "zero_grad", self._zero_grad(owner.zero_grad)) for owner in copier.optimizers]
+        patches += [(module, "zero_grad", self._zero_grad(module.zero_grad)) for module in copier.modules]
+        saved = [(owner, name, vars(owner).get(name, self)) for owner, name, _ in patches]
+        for owner, name, method in patches:
+            setattr(owner, name, method)
+        try:
+            yield
+        finally:
+            for owner, name, before in saved:
+                if before is self:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, before)
+
+    def _step(self, step: Callable[..., Any], last: bool) -> Callable[..., Any]:
+        def accumulating_step(*args: Any, **kwargs: Any) -> Any:
+            if not last:
+                self._skipped = True
+                return None
+            self._skipped = False
+            return step(*args, **kwargs)
+
+        return accumulating_step
+
+    def _zero_grad(self, zero_grad: Callable[..., Any]) -> Callable[..., Any]:
+        def accumulating_zero_grad(*args: Any, **kwargs: Any) -> Any:
+            return None if self._skipped else zero_grad(*args, **kwargs)
+
+        return accumulating_zero_grad
+
+
+def _peak(
+    capture: OOMCapture,
+    start: Start,
+    fn: Callable[..., Any],
+    make_arguments: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
+    capacity: int | None,
+    micro_batches: int = 1,
+) -> int:
+    """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps of
+    ``micro_batches`` calls each (:class:`Accumulation`), from ``start`` (the state at the failure;
+    an empty allocator where it is unknown) under ``capacity`` bytes (``None``: no limit);
+    ``torch.OutOfMemoryError`` where they do not fit."""
+    from memlab.estimate.estimate import run_estimate
+
+    calls = min(micro_batches, MICRO_BATCHES_ESTIMATED)
+    return run_estimate(
+        fn,
+        make_arguments,
+        _device(capture),
+        steps=REMEDY_STEPS * calls,
+        capacity=capacity,
+        start=start.starter(capacity) if isinstance(start, AllocatorState) else None,
+        call_context=Accumulation(calls) if calls > 1 else None,
+    ).peak_reserved
+
+
+def _needed(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> int:
+    """:func:`_peak` under the capacity, or where that runs out of memory, without a limit (what
+    it would need)."""
+    try:
+        return _peak(capture, start, *args, capacity=capture.capacity, **kwargs)
+    except torch.OutOfMemoryError:
+        return _peak(capture, start, *args, capacity=None, **kwargs)
+
+
+def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
+    """The largest micro-batch whose steps with gradient accumulation (:class:`Accumulation`, as
+    many micro-batches as keep the batch) fit in the capacity from ``start``, found by doubling
+    then bisection up to the batch the call had (:func:`memlab.estimate.fit.search`); ``None``
+    without a batch, or when the whole batch fits (the memory the step lacked is held outside its
+    arguments: see the held-across-calls remedy). Each micro-batch is a view of its rows of the
+    batch, which stays live."""
+    from memlab.estimate.fit import call_arguments, search
 
     call = capture.call
     found = None if call is None or capture.capacity <= 0 else find_batch(call)
     if found is None:
         return None
     size, dim = found
-    step, make_batch = _batch_maker(call, size, dim)  # type: ignore[arg-type]
-    fit = max_batch_size(step, make_batch, budget=capture.capacity, high=size, device=_device(capture))
-    if fit.batch_size >= size:
+    if size < 2:
         return None
-    if fit.batch_size == 0:
-        assert fit.next_estimate is not None
-        return Remedy(
-            "micro_batch",
-            f"micro-batches of 1 (of {size}), {size} accumulation steps",
-            fit.next_estimate.peak_reserved,
-            capture.capacity,
-            {"micro_batch": 1, "batch": size, "accumulation_steps": size, "largest_fitting": 0},
-        )
-    assert fit.estimate is not None
-    steps = math.ceil(size / fit.batch_size)
+    step, make_batch = _batch_maker(call, size, dim)  # type: ignore[arg-type]
+    peaks: dict[int, int] = {}
+
+    def peak(micro: int, capacity: int | None) -> int:
+        def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return call_arguments(make_batch(micro))
+
+        return _peak(capture, start, step, arguments, capacity, micro_batches=math.ceil(size / micro))
+
+    def fits(micro: int) -> bool:
+        try:
+            peaks[micro] = peak(micro, capture.capacity)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    micro = search(fits, 1, size)[0]
+    if micro >= size:
+        return None
+    needs = peaks[micro] if micro else peak(1, None)
+    steps = math.ceil(size / max(micro, 1))
     return Remedy(
         "micro_batch",
-        f"micro-batches of {fit.batch_size} (of {size}), {steps} accumulation steps",
-        fit.estimate.peak_reserved,
+        f"micro-batches of {max(micro, 1)} (of {size}), {steps} accumulation steps",
+        needs,
         capture.capacity,
-        {
-            "micro_batch": fit.batch_size,
-            "batch": size,
-            "accumulation_steps": steps,
-            "largest_fitting": fit.batch_size,
-        },
+        {"micro_batch": max(micro, 1), "batch": size, "accumulation_steps": steps, "largest_fitting": micro},
+        unsure=unsure(start),
     )
 
 
@@ -113,38 +231,53 @@ def _device(capture: OOMCapture) -> torch.device:
     return torch.device(capture.device)
 
 
-def _estimate_step(capture: OOMCapture, context: contextlib.AbstractContextManager[Any]) -> int:
-    from memlab.estimate import estimate
+def unsure(start: Start) -> str | None:
+    """Why a step remedy estimated from ``start`` promises nothing (``Remedy.unsure``), or ``None``
+    when it starts from the state it will meet."""
+    if isinstance(start, AllocatorState):
+        return None
+    return f"the state at the failure is unknown ({start}), so estimated from an empty allocator"
 
+
+def step_peak(
+    capture: OOMCapture, start: Start, context: contextlib.AbstractContextManager[Any] | None = None
+) -> int:
+    """Peak reserved bytes of the watched call's step estimated under ``context`` for
+    :data:`REMEDY_STEPS` steps from ``start`` under the capacity, or without a limit where it does
+    not fit there (what it would need)."""
     call = capture.call
     assert call is not None
-    with context:
-        return estimate(call.func, *call.args, device=_device(capture), **call.kwargs).peak_reserved
+    with context or contextlib.nullcontext():
+        return _needed(capture, start, call.func, lambda: (call.args, call.kwargs))
 
 
-def _autocast_remedy(capture: OOMCapture, dtype: torch.dtype, kind: str) -> Remedy | None:
+def _autocast_remedy(capture: OOMCapture, start: Start, dtype: torch.dtype, kind: str) -> Remedy | None:
     device_type = torch.device(capture.device).type
     if capture.call is None or capture.capacity <= 0 or device_type not in ("cpu", "cuda"):
         return None
-    peak = _estimate_step(capture, torch.autocast(device_type, dtype=dtype))
+    peak = step_peak(capture, start, torch.autocast(device_type, dtype=dtype))
     dtype_name = str(dtype).removeprefix("torch.")
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
     return Remedy(
-        kind, f'torch.autocast("{device_type}", torch.{dtype_name}) ({short})', peak, capture.capacity
+        kind,
+        f'torch.autocast("{device_type}", torch.{dtype_name}) ({short})',
+        peak,
+        capture.capacity,
+        unsure=unsure(start),
     )
 
 
-def bf16_autocast_remedy(capture: OOMCapture) -> Remedy | None:
+def bf16_autocast_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     """The step estimated under ``torch.autocast(<device type>, torch.bfloat16)``."""
-    return _autocast_remedy(capture, torch.bfloat16, "autocast_bf16")
+    return _autocast_remedy(capture, start, torch.bfloat16, "autocast_bf16")
 
 
-def fp16_autocast_remedy(capture: OOMCapture) -> Remedy | None:
+def fp16_autocast_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     """The step estimated under ``torch.autocast("cuda", torch.float16)``: on CUDA devices only,
     for GPUs without bfloat16 (on CPU the bf16 remedy is the one listed)."""
     if torch.device(capture.device).type != "cuda":
         return None
-    return _autocast_remedy(capture, torch.float16, "autocast_fp16")
+    return _autocast_remedy(capture, start, torch.float16, "autocast_fp16")
 
 
 def repeated_blocks(model: torch.nn.Module) -> tuple[type[torch.nn.Module], int] | None:
@@ -185,7 +318,7 @@ def checkpointed(cls: type[torch.nn.Module]) -> Iterator[None]:
             cls.forward = own  # type: ignore[method-assign]
 
 
-def checkpointing_remedy(capture: OOMCapture) -> Remedy | None:
+def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     """The step estimated with activation checkpointing of the repeated blocks of the first module
     among its arguments (:func:`repeated_blocks`); ``None`` without such a module."""
     call = capture.call
@@ -196,18 +329,20 @@ def checkpointing_remedy(capture: OOMCapture) -> Remedy | None:
     if found is None:
         return None
     cls, count = found
-    peak = _estimate_step(capture, checkpointed(cls))
+    peak = step_peak(capture, start, checkpointed(cls))
     return Remedy(
         "checkpointing",
         f"activation checkpointing of the {count} {cls.__name__} blocks",
         peak,
         capture.capacity,
         {"block": cls.__name__, "blocks": count},
+        unsure=unsure(start),
     )
 
 
-#: The step remedies, in the order they are listed.
-STEP_REMEDIES: tuple[Callable[[OOMCapture], Remedy | None], ...] = (
+#: The step remedies, in the order they are listed: each takes the capture and the state at the
+#: failure (or why it is unknown).
+STEP_REMEDIES: tuple[Callable[[OOMCapture, Start], Remedy | None], ...] = (
     micro_batch_remedy,
     bf16_autocast_remedy,
     fp16_autocast_remedy,

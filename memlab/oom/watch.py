@@ -339,7 +339,10 @@ def explain_oom(
     the failing ``file:line`` and code, the bytes requested, capacity / reserved / allocated /
     free, the verdict (fragmentation or shortage), the largest live tensors with their
     ``MemReporter`` names, categories, sizes and, with ``history`` on, allocation lines, and
-    remedies each with its predicted peak reserved bytes (see :mod:`memlab.oom.postmortem`). With
+    remedies each with its predicted peak reserved bytes (see :mod:`memlab.oom.postmortem`): a
+    remedy marked "fits" runs two training steps within the capacity when applied right after the
+    failure, estimated from the allocator state of that moment, which the history rebuilds;
+    without one, remedies start from an empty allocator and show a margin instead. With
     a trace (``history`` on, or PyTorch's memory history on a GPU) the memory snapshot is written
     to ``snapshot_dir`` (default ``$MEMLAB_OOM_DIR``, else the temporary directory) as
     ``memlab-oom[-rank<r>]-<pid>-<n>.pickle``, and the report prints its path. The error itself

@@ -206,6 +206,7 @@ class TensorTracker(TorchDispatchMode):
         self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
+        self._resumed: Any = None  # the allocator the first device starts from (see resume)
         self._seen: dict[torch.device, None] = {}  # devices of tracked storages, in order
         self._live: dict[int, _StorageRef] = {}
         self._pending: deque[_StorageRef] = deque()
@@ -541,8 +542,35 @@ class TensorTracker(TorchDispatchMode):
     def _allocator_for(self, device: torch.device) -> Any:
         allocator = self._allocators.get(device)
         if allocator is None:
-            allocator = self._allocators[device] = self._new_allocator()
+            allocator, self._resumed = self._resumed or self._new_allocator(), None
+            self._allocators[device] = allocator
         return allocator
+
+    def resume(self, allocator: Any, blocks: Iterable[tuple[torch.UntypedStorage, int]] = ()) -> None:
+        """Count on the first device from ``allocator`` as it is (an allocator model with cached
+        segments and allocated blocks: a process's state replayed from its history, say) instead
+        of a new, empty allocator of the tracker's settings: the allocator's own ``capacity``,
+        configuration and history apply, and its statistics go on from where they are.
+
+        Each ``(storage, handle)`` of ``blocks`` is counted as the storage that occupies
+        ``allocator``'s allocated block ``handle``: nothing is allocated for it, and the block is
+        freed when the storage is. The allocator's other allocated blocks stay allocated (memory
+        that no storage the tracker sees holds). Call it before the tracker counts anything;
+        ``ValueError`` otherwise, or when the storages are on several devices, or one is
+        counted twice."""
+        if self._allocators or self._live:
+            raise ValueError("resume: the tracker has counted storages already; resume it before it counts")
+        self._resumed = allocator
+        for storage, handle in blocks:
+            if self._allocator_for(storage.device) is not allocator:
+                raise ValueError(f"resume: every storage must be on one device; {storage.device} is another")
+            if id(storage) in self._live:
+                raise ValueError(f"resume: a storage of {storage.nbytes()} bytes was given twice")
+            if storage.device not in self._seen:
+                self._seen[storage.device] = None
+            ref = _StorageRef(storage, self._pending.append)
+            ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), storage.nbytes()
+            self._live[ref.key] = ref
 
     def _track(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> None:
         """Count ``storage`` as allocated now (``nbytes``: its size, when it is not the storage's own)."""

@@ -59,7 +59,11 @@ def test_the_expandable_segments_remedy_is_a_replay_of_the_same_allocations():
 
     remedy = next(r for r in _fragmented().remedies if r.kind == "expandable_segments")
     assert remedy.peak_reserved == expected == 60 * MIB
-    assert remedy.fits
+    # a block, not a watched step: the rest of the work is unknown, so a margin and not "fits"
+    assert (remedy.fits, remedy.margin) == (None, 20 * MIB)
+    assert (
+        remedy.unsure == "replayed up to the failing request only, with no watched step to estimate the rest"
+    )
     assert remedy.action == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
@@ -167,7 +171,11 @@ def test_tensors_held_across_calls_are_a_remedy_with_the_bytes_it_frees():
     assert remedy.action == f"free 5 tensors held across calls (10.00M, from test_postmortem.py:{line})"
     # released when the sixth call began, its outputs take their place: the segments of before
     assert remedy.peak_reserved == report.reserved
-    assert remedy.fits
+    assert (remedy.fits, remedy.margin) == (None, report.capacity - report.reserved)
+    assert remedy.unsure == (
+        "replayed up to the failing request only: a step that keeps tensors across calls is not "
+        "estimated again"
+    )
     # the step is not estimated again (its estimates would not see the held tensors)
     assert [r.kind for r in report.remedies] == ["expandable_segments", "max_split_size_mb", "free_held"]
     assert report.notes == (

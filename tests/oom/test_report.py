@@ -57,8 +57,8 @@ def test_the_text_fits_a_screen_and_names_everything_once():
         f"  {'h':<32} {'unknown':<15} {'16.00K':>9}  {here}:{line - 1}",
         # a 48 MiB tensor whatever the batch, and a 48 MiB sum: nothing fits
         "remedies (predicted peak reserved, capacity 40.00M):",
-        "  micro-batches of 1 (of 4), 4 accumulation steps   118.00M  does not fit",
-        '  torch.autocast("cpu", torch.bfloat16) (bf16)      118.00M  does not fit',
+        "  micro-batches of 1 (of 4), 4 accumulation steps   166.00M  does not fit",
+        '  torch.autocast("cpu", torch.bfloat16) (bf16)      166.00M  does not fit',
         f"snapshot: {report.snapshot_path} (memlab viz, or pytorch.org/memory_viz)",
     ]
 

@@ -51,69 +51,84 @@ def train_step(model, optimizer, x, y):
     return loss.detach()
 
 
-def _failing_step(batch: int = 4096) -> tuple[memlab.oom.OOMReport, tuple]:
+def _failing_step(remedies: bool = True) -> tuple[memlab.oom.OOMReport, memlab.TensorTracker, tuple]:
+    """A step at batch 4096 out of memory in 80 MiB; the report, the tracker and what is live right
+    after the failure."""
     torch.manual_seed(0)
-    watched = memlab.explain_oom(train_step, stream=io.StringIO())
-    with memlab.TensorTracker(capacity=CAPACITY, history=True):
+    watched = memlab.explain_oom(train_step, stream=io.StringIO(), remedies=remedies)
+    tracker = memlab.TensorTracker(capacity=CAPACITY, history=True)
+    with tracker:
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = torch.randn(batch, 1024), torch.randn(batch, 1024)
+        x, y = torch.randn(4096, 1024), torch.randn(4096, 1024)
         with pytest.raises(torch.OutOfMemoryError):
             watched(model, optimizer, x, y)
-    return memlab.oom.last_report(), (model, optimizer, x, y)
+    gc.collect()
+    return memlab.oom.last_report(), tracker, (model, optimizer, x, y)
 
 
-def test_a_shortage_in_a_training_step_gets_the_micro_batch_max_batch_size_finds():
-    report, (model, optimizer, x, y) = _failing_step()
+def _accumulate(tracker, model, optimizer, x, y, micro: int) -> int:
+    """Two optimizer steps over micro-batches of ``micro`` rows (views of the batch) with gradient
+    accumulation, under ``tracker``; the peak reserved bytes from now on."""
+    steps = -(-len(x) // micro)
+    tracker.reset_peak_memory_stats()
+    with tracker:
+        for _ in range(2):
+            for part, part_y in zip(x.split(micro), y.split(micro), strict=True):
+                (((model(part) - part_y) ** 2).mean() / steps).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return tracker.max_memory_reserved()
+
+
+def test_the_micro_batch_remedy_is_the_largest_whose_accumulated_steps_fit_from_the_state_at_the_failure():
+    report, tracker, live = _failing_step()
     assert report.verdict == "shortage"
+    remedy = next(r for r in report.remedies if r.kind == "micro_batch")
+    assert remedy.details == {
+        "micro_batch": 256,
+        "batch": 4096,
+        "accumulation_steps": 16,
+        "largest_fitting": 256,
+    }
+    assert remedy.action == "micro-batches of 256 (of 4096), 16 accumulation steps"
+    assert (remedy.peak_reserved, remedy.fits, remedy.unsure) == (78 * MIB, True, None)
+    # applied right after the failure, with the 32 MiB batch still live: the estimated peak
+    assert _accumulate(tracker, *live, micro=256) == 78 * MIB
+
+
+def test_the_next_micro_batch_and_one_estimated_from_an_empty_allocator_run_out_of_memory_when_applied():
+    _, _, (model, optimizer, x, y) = _failing_step(remedies=False)
+    # max_batch_size counts the step's own micro-batch, not the batch the process still holds
     fit = memlab.max_batch_size(
         train_step, lambda b: (model, optimizer, x[:b].clone(), y[:b].clone()), budget=CAPACITY, high=4096
     )
-    remedy = next(r for r in report.remedies if r.kind == "micro_batch")
-    micro = fit.batch_size
-    assert 0 < micro < 4096
-    assert remedy.details == {
-        "micro_batch": micro,
-        "batch": 4096,
-        "accumulation_steps": -(-4096 // micro),
-        "largest_fitting": micro,
-    }
-    assert remedy.peak_reserved == fit.estimate.peak_reserved
-    assert remedy.fits
-    assert remedy.action == f"micro-batches of {micro} (of 4096), {-(-4096 // micro)} accumulation steps"
-    # the step at that micro-batch runs under the same capacity
-    with memlab.TensorTracker(capacity=CAPACITY) as tracker:
-        model = Net()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        loss = train_step(model, optimizer, torch.randn(micro, 1024), torch.randn(micro, 1024))
-    assert loss.shape == ()
-    assert tracker.max_memory_reserved() <= 80 * MIB
+    assert fit.batch_size == 1024
+    for micro in (257, 1024):
+        _, tracker, live = _failing_step(remedies=False)
+        with pytest.raises(torch.OutOfMemoryError):
+            _accumulate(tracker, *live, micro=micro)
 
 
-def test_the_bf16_remedy_is_the_estimate_of_the_step_under_autocast():
-    report, (model, optimizer, x, y) = _failing_step()
-    with torch.autocast("cpu", torch.bfloat16):
-        expected = memlab.estimate(train_step, model, optimizer, x, y).peak_reserved
-    remedy = next(r for r in report.remedies if r.kind == "autocast_bf16")
-    assert remedy.peak_reserved == expected
-    assert remedy.action == 'torch.autocast("cpu", torch.bfloat16) (bf16)'
-    assert [r.kind for r in report.remedies if r.kind.startswith("autocast")] == ["autocast_bf16"]
-
-
-def test_the_checkpointing_remedy_is_the_estimate_with_the_repeated_blocks_checkpointed():
-    report, (model, optimizer, x, y) = _failing_step()
+def test_the_bf16_and_checkpointing_remedies_are_two_steps_estimated_from_the_state_at_the_failure():
+    report, tracker, (model, optimizer, x, y) = _failing_step()
     assert repeated_blocks(model) == (Block, 4)
-    with checkpointed(Block):
-        expected = memlab.estimate(train_step, model, optimizer, x, y).peak_reserved
+    remedies = {r.kind: r for r in report.remedies}
+    assert remedies["autocast_bf16"].action == 'torch.autocast("cpu", torch.bfloat16) (bf16)'
+    assert [r.kind for r in report.remedies if r.kind.startswith("autocast")] == ["autocast_bf16"]
+    assert remedies["checkpointing"].details == {"block": "Block", "blocks": 4}
+    assert remedies["checkpointing"].action == "activation checkpointing of the 4 Block blocks"
+    # neither fits; what each would need, from that state and without a limit
+    assert (remedies["autocast_bf16"].peak_reserved, remedies["autocast_bf16"].fits) == (190 * MIB, False)
+    assert (remedies["checkpointing"].peak_reserved, remedies["checkpointing"].fits) == (182 * MIB, False)
+    tracker.reset_peak_memory_stats()
+    with tracker, pytest.raises(torch.OutOfMemoryError), checkpointed(Block):
+        train_step(model, optimizer, x, y)
     assert Block.forward is Block.__dict__["forward"]  # restored
-    remedy = next(r for r in report.remedies if r.kind == "checkpointing")
-    assert remedy.peak_reserved == expected
-    assert remedy.details == {"block": "Block", "blocks": 4}
-    assert remedy.action == "activation checkpointing of the 4 Block blocks"
 
 
 def test_remedies_are_listed_in_order_each_with_its_number():
-    report, _ = _failing_step()
+    report, _, _ = _failing_step()
     assert [r.kind for r in report.remedies] == ["micro_batch", "autocast_bf16", "checkpointing"]
     lines = report.text().splitlines()
     start = lines.index("remedies (predicted peak reserved, capacity 80.00M):")

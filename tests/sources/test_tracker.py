@@ -599,3 +599,36 @@ def test_a_tracker_left_under_a_mode_still_active_cannot_be_entered_again():
         torch.empty(10, dtype=torch.uint8)
     assert tracker.memory_allocated() == 0 and tracker.memory_stats()["allocated_bytes.all.allocated"] == 10
     assert _python_dispatch._get_current_dispatch_mode_stack() == []
+
+
+def test_resume_counts_on_from_an_allocator_in_a_given_state():
+    allocator = memlab.CachingAllocatorModel()
+    occupied = allocator.malloc(4 * MiB)  # a 20 MiB segment; the storage below occupies this block
+    allocator.malloc(MiB)  # a 2 MiB small segment held by memory the tracker does not see
+    allocator.free(allocator.malloc(6 * MiB))  # 16 MiB cached after the 4 MiB block
+    x = torch.empty(MiB, device="meta")  # 4 MiB
+    tracker = memlab.TensorTracker()
+    tracker.resume(allocator, [(x.untyped_storage(), occupied)])
+    with tracker:
+        y = torch.empty(6 * MiB // 4, device="meta")  # from the cached block: nothing reserved
+    assert tracker.memory_allocated("meta") == 11 * MiB
+    assert tracker.max_memory_reserved("meta") == 22 * MiB
+    del x  # its block is freed with it
+    assert tracker.memory_allocated("meta") == 7 * MiB
+    assert y.numel() == 6 * MiB // 4
+    with pytest.raises(ValueError, match="resume: the tracker has counted storages already"):
+        tracker.resume(memlab.CachingAllocatorModel())
+
+
+def test_resume_takes_each_storage_once_and_one_device():
+    allocator = memlab.CachingAllocatorModel()
+    first, second = allocator.malloc(512), allocator.malloc(512)
+    x = torch.empty(4, device="meta")
+    with pytest.raises(ValueError, match="resume: a storage of 16 bytes was given twice"):
+        memlab.TensorTracker().resume(
+            allocator, [(x.untyped_storage(), first), (x.untyped_storage(), second)]
+        )
+    with pytest.raises(ValueError, match="resume: every storage must be on one device; cpu is another"):
+        memlab.TensorTracker().resume(
+            allocator, [(x.untyped_storage(), first), (torch.empty(4).untyped_storage(), second)]
+        )

@@ -18,6 +18,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any
 
+from memlab._units import parse_size
 from memlab.sources.allocator.blocks import (
     KEY_SHIFT,
     ONE_EXABYTE,
@@ -94,6 +95,14 @@ class CachingAllocatorModel(AllocatorBase):
                 base_address=_FIRST_ADDRESS,
                 history=self.history,
             )
+
+    def set_capacity(self, capacity: int | str | None) -> None:
+        """Change the device's memory from now on (bytes, a size such as ``"16 GiB"``, or ``None``
+        for unlimited): a state replayed under one capacity can then be measured under another.
+        Segments already reserved stay, even above the new capacity."""
+        self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
+        if self._expandable is not None:
+            self._expandable._capacity = self.capacity
 
     # -- the hot path -------------------------------------------------------------------------
     # malloc and free update their statistics unrolled, with literal indices into the stat lists

@@ -305,6 +305,18 @@ def test_request_of_an_exabyte_raises_out_of_memory_without_counting_an_oom():
     assert m.memory_stats()["num_ooms"] == 0
 
 
+def test_set_capacity_changes_the_limit_from_now_on_keeping_what_is_reserved():
+    m = model(capacity=40 * MiB)
+    m.malloc(30 * MiB)
+    m.set_capacity("20 MiB")  # below what is reserved: the segment stays
+    assert (m.capacity, m.memory_stats()["reserved_bytes.all.current"]) == (20 * MiB, 30 * MiB)
+    with pytest.raises(torch.OutOfMemoryError):
+        m.malloc(1000)
+    m.set_capacity(None)
+    m.malloc(1000)
+    assert m.memory_stats()["reserved_bytes.all.current"] == 32 * MiB
+
+
 def test_capacity_accepts_size_strings():
     assert model(capacity="2 GiB").capacity == 2 * 1024 * MiB
 

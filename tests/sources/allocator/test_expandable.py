@@ -94,6 +94,17 @@ def test_expandable_segment_recreated_after_empty_cache_reuses_its_address_range
     assert m.snapshot()[0]["address"] == first
 
 
+def test_set_capacity_limits_the_pages_mapped_from_now_on():
+    m = expandable(capacity=40 * MiB)
+    m.malloc(30 * MiB)  # two 20 MiB pages
+    m.set_capacity(30 * MiB)
+    with pytest.raises(torch.OutOfMemoryError, match=r"total capacity of 30\.00 MiB"):
+        m.malloc(1000)
+    m.set_capacity(None)
+    m.malloc(1000)  # a 2 MiB small page
+    assert m.memory_stats()["reserved_bytes.all.current"] == 42 * MiB
+
+
 def test_expandable_capacity_retries_then_raises_out_of_memory():
     m = expandable(capacity=40 * MiB)
     m.malloc(30 * MiB)

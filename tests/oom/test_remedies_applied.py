@@ -1,0 +1,284 @@
+"""Remedies hold when applied: each one the report marks "fits" runs, right after the failure, from
+the allocator state the process is in (its cached segments, the blocks of the live model, gradients,
+optimizer state and inputs), under the same tracker and capacity, for two training steps."""
+
+from __future__ import annotations
+
+import gc
+import io
+import math
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import memlab
+from memlab.oom.postmortem import replay_peak, trace_events
+from memlab.oom.step import Accumulation
+
+MIB = 1 << 20
+VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 512, 128, 4, 3, 64
+
+
+@pytest.fixture(autouse=True)
+def _clean(tmp_path, monkeypatch):
+    gc.collect()
+    monkeypatch.setenv("MEMLAB_OOM_DIR", str(tmp_path))
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+        causal = torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).tril()
+        self.register_buffer("causal", causal, persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(WIDTH // HEADS)
+        att = att.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, WIDTH))
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = torch.nn.LayerNorm(WIDTH), Attention(), torch.nn.LayerNorm(WIDTH)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(torch.nn.Module):
+    """Token and position embeddings, transformer blocks, a language-model head; ``checkpointing``
+    runs each block under activation checkpointing, as a user applies that remedy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Embedding(CONTEXT, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln, self.head = torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.checkpointing = False
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return self.head(self.ln(x))
+
+
+def lm_loss(model, idx, targets):
+    return F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+
+
+def lm_step(model, optimizer, idx, targets):
+    loss = lm_loss(model, idx, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def _lm_failure(remedies: bool = True):
+    """AdamW on a small GPT at batch 16 in 44 MiB: step 1 fits, step 2 (with the optimizer state)
+    runs out of memory. Returns the report, the tracker and the live objects right after it."""
+    torch.manual_seed(0)
+    watched = memlab.explain_oom(lm_step, stream=io.StringIO(), remedies=remedies)
+    tracker = memlab.TensorTracker(capacity="44 MiB", history=True)
+    with tracker:
+        model = GPT()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        idx = torch.randint(0, VOCAB, (16, CONTEXT))
+        targets = torch.randint(0, VOCAB, (16, CONTEXT))
+        watched(model, optimizer, idx, targets)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, optimizer, idx, targets)
+    gc.collect()  # the failing call's frames are gone, as after an except block
+    return memlab.oom.last_report(), tracker, (model, optimizer, idx, targets)
+
+
+def _apply(remedy, tracker, model, optimizer, idx, targets) -> int:
+    """Two training steps with ``remedy`` applied as a user writes it, under ``tracker``; the peak
+    reserved bytes from now on."""
+    tracker.reset_peak_memory_stats()
+    with tracker:
+        for _ in range(2):
+            if remedy.kind == "micro_batch":
+                micro, steps = remedy.details["micro_batch"], remedy.details["accumulation_steps"]
+                for part, part_targets in zip(idx.split(micro), targets.split(micro), strict=True):
+                    (lm_loss(model, part, part_targets) / steps).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            elif remedy.kind == "autocast_bf16":
+                with torch.autocast("cpu", torch.bfloat16):
+                    lm_step(model, optimizer, idx, targets)
+            else:
+                assert remedy.kind == "checkpointing"
+                model.checkpointing = True
+                lm_step(model, optimizer, idx, targets)
+    return tracker.max_memory_reserved()
+
+
+def test_every_remedy_marked_fits_completes_two_steps_when_applied_right_after_the_failure():
+    report, _, _ = _lm_failure()
+    assert report.verdict == "fragmentation"
+    assert [(r.action, r.peak_reserved, r.fits) for r in report.remedies] == [
+        ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", 48 * MIB, False),
+        ("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:1024", 48 * MIB, False),
+        ("micro-batches of 10 (of 16), 2 accumulation steps", 44 * MIB, True),
+        ('torch.autocast("cpu", torch.bfloat16) (bf16)', 48 * MIB, False),
+        ("activation checkpointing of the 3 Block blocks", 44 * MIB, True),
+    ]
+    for remedy in report.remedies:
+        if remedy.kind in ("expandable_segments", "max_split_size_mb"):
+            continue  # a restart with another allocator setting: see the test below
+        _, tracker, live = _lm_failure(remedies=False)
+        if remedy.fits:
+            # the same numbers as the estimate from the state at the failure, byte for byte
+            assert _apply(remedy, tracker, *live) == remedy.peak_reserved
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                _apply(remedy, tracker, *live)
+
+
+class Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Linear() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def train_step(model, optimizer, x, y):
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def _pinned_failure(history: bool = True, remedies: bool = True):
+    """Ten 2 MiB small-pool segments, each kept by a 4-byte tensor after the two 1 MiB tensors
+    beside it were freed: 20 MiB of cached segments that no retry path can release. Then a step at
+    batch 2048 in 128 MiB fails. Returns the report, the tracker and what is live right after."""
+    torch.manual_seed(0)
+    watched = memlab.explain_oom(train_step, stream=io.StringIO(), remedies=remedies)
+    tracker = memlab.TensorTracker(capacity="128 MiB", history=history)
+    with tracker:
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        tags, beside = [], []
+        for _ in range(10):
+            beside.append(torch.empty(MIB // 4 - 128))
+            tags.append(torch.zeros(1))
+            beside.append(torch.empty(MIB // 4))
+        del beside
+        x, y = torch.randn(2048, 1024), torch.randn(2048, 1024)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, optimizer, x, y)
+    gc.collect()
+    return memlab.oom.last_report(), tracker, (model, optimizer, x, y, tags)
+
+
+def test_a_remedy_that_fits_from_an_empty_allocator_but_not_from_the_state_is_not_marked_fits():
+    report, tracker, (model, optimizer, x, y, tags) = _pinned_failure()
+    assert len(tags) == 10
+    bf16 = next(r for r in report.remedies if r.kind == "autocast_bf16")
+    assert (bf16.peak_reserved, bf16.fits) == (140 * MIB, False)
+    # from an empty allocator the same two steps would fit, with 6 MiB to spare
+    with torch.autocast("cpu", torch.bfloat16):
+        empty = memlab.estimate(train_step, model, optimizer, x, y, steps=2)
+    assert empty.peak_reserved == 122 * MIB
+    # and applied right after the failure, they do not
+    tracker.reset_peak_memory_stats()
+    with tracker, torch.autocast("cpu", torch.bfloat16), pytest.raises(torch.OutOfMemoryError):
+        for _ in range(2):
+            train_step(model, optimizer, x, y)
+
+
+def test_an_allocator_setting_is_predicted_for_whole_steps_from_a_restart_with_it(monkeypatch):
+    report, _, _ = _pinned_failure()
+    remedy = next(r for r in report.remedies if r.kind == "expandable_segments")
+    assert (remedy.peak_reserved, remedy.fits, remedy.unsure) == (142 * MIB, False, None)
+    # a replay of the history up to the failing request alone would have said 122 MiB: "fits"
+    with open(report.snapshot_path, "rb") as file:
+        events = trace_events(pickle.load(file))
+    assert replay_peak(events, "expandable_segments:True", report.requested) == 122 * MIB
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    restarted, _, _ = _pinned_failure(remedies=False)  # the program again, with the setting: it fails
+    assert restarted.message.startswith("CUDA out of memory.")
+
+
+def test_without_history_the_report_shows_margins_and_says_why():
+    report, _, _ = _pinned_failure(history=False)
+    lines = report.text().splitlines()
+    start = lines.index("remedies (predicted peak reserved, capacity 128.00M):")
+    assert lines[start + 1 :] == [
+        "  micro-batches of 1706 (of 2048), 2 accumulation steps   122.00M  margin 6.00M",
+        '  torch.autocast("cpu", torch.bfloat16) (bf16)            122.00M  margin 6.00M',
+        "  activation checkpointing of the 4 Linear blocks         122.00M  margin 6.00M",
+        "  a margin is no promise: the state at the failure is unknown (no history), so estimated from an "
+        "empty allocator",
+    ]
+    data = report.to_dict()["remedies"][1]
+    assert (data["fits"], data["margin"]) == (None, 6 * MIB)
+    assert data["unsure"] == (
+        "the state at the failure is unknown (no history), so estimated from an empty allocator"
+    )
+
+
+class _Optimizer:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def step(self) -> None:
+        self.calls.append("step")
+
+    def zero_grad(self) -> None:
+        self.calls.append("zero_grad")
+
+
+class _Copies:
+    def __init__(self, calls: list[str]) -> None:
+        self.optimizers, self.modules = [_Optimizer(calls)], []
+
+
+@pytest.mark.parametrize("zero_first", [False, True])
+def test_accumulation_steps_once_per_batch_and_zeroes_only_finished_steps(zero_first):
+    calls: list[str] = []
+    copies = _Copies(calls)
+    optimizer = copies.optimizers[0]
+    accumulation = Accumulation(3)
+    for index in range(6):  # two batches of three micro-batches
+        with accumulation(copies, index):  # a step that zeroes the gradients first, or last
+            if zero_first:
+                optimizer.zero_grad()
+            calls.append("backward")
+            optimizer.step()
+            if not zero_first:
+                optimizer.zero_grad()
+    assert "step" not in vars(optimizer) and "zero_grad" not in vars(optimizer)  # the class's again
+    batch = ["backward", "backward", "backward", "step", "zero_grad"]
+    if zero_first:
+        batch = ["zero_grad", "backward", "backward", "backward", "step"]
+    assert calls == batch * 2
