@@ -145,11 +145,28 @@ def max_batch_size(
     def fits(size: int) -> bool:
         if size not in found:
             found[size] = fitting_estimate(lambda capacity: estimate(size, capacity), limit - extra)
+            if high is None:
+                _check_growth(found, size)
         return found[size] is not None
 
     good, bad = search(fits, low, high)
     needs = None if bad is None else estimate(bad, None)
     return BatchFit(good, found.get(good), needs, len(found) + (bad is not None), limit, extra, steps, bad)
+
+
+def _check_growth(found: dict[int, Estimate | None], size: int) -> None:
+    """``ValueError`` when ``size`` and half of it fit with the same peak of requested bytes: the
+    step's memory does not grow with the batch, so doubling without ``high`` would never stop."""
+    half = found.get(size // 2) if size % 2 == 0 else None
+    estimate = found[size]
+    if estimate is None or half is None:
+        return
+    peak = estimate.stats["requested_bytes.all.peak"]
+    if peak == half.stats["requested_bytes.all.peak"]:
+        raise ValueError(
+            f"the step's memory does not grow with the batch size (batches of {size // 2} and {size} both "
+            f"request a peak of {format_size(peak)}): pass high= to bound the search"
+        )
 
 
 def fitting_estimate(run: Callable[[int | None], Estimate], capacity: int) -> Estimate | None:

@@ -157,3 +157,22 @@ def test_bad_arguments_are_typed_errors():
         memlab.max_batch_size(step, make_batch, "1 GiB", steps=0)
     with pytest.raises(ValueError, match=r"headroom \(1.00G\) must be less than the budget \(1.00G\)"):
         memlab.max_batch_size(step, make_batch, "1 GiB", headroom="1 GiB")
+
+
+def test_a_step_whose_memory_does_not_grow_with_the_batch_needs_high():
+    weight = torch.nn.Linear(64, 64)
+
+    def step(x):
+        return weight(torch.ones(8, 64)).sum()
+
+    def make_batch(size):
+        return torch.ones(1)  # a batch of the same size whatever the size asked for
+
+    with pytest.raises(ValueError) as error:
+        memlab.max_batch_size(step, make_batch, "1 GiB")
+    assert str(error.value) == (
+        "the step's memory does not grow with the batch size (batches of 1 and 2 both request a peak of "
+        f"{format_size(memlab.estimate(step, torch.ones(1), steps=2).stats['requested_bytes.all.peak'])}"
+        "): pass high= to bound the search"
+    )
+    assert memlab.max_batch_size(step, make_batch, "1 GiB", high=64).batch_size == 64
