@@ -162,6 +162,7 @@ def test_the_memory_plot_shows_inline(outputs: dict[str, Any]) -> None:
 def test_the_estimate_cell_prints_the_peak_and_the_batch_that_fits(outputs: dict[str, Any]) -> None:
     assert outputs["estimate"]["stdout"] == (
         "peak reserved: 178257920 B; fits in 1 GiB: True\n"
-        "largest batch that fits in 1.00G: 13952 (peak reserved 1.00G); 13953 needs 1.01G; 28 estimates\n"
+        "largest batch that fits in 1.00G for 2 steps in a row: 13312 (peak reserved 1022.00M); 13313 needs "
+        "1.17G; 29 estimates\n"
     )
     assert "<b>170.00M</b>" in outputs["estimate"]["text/html"]  # the Estimate's HTML: its peak reserved
