@@ -11,10 +11,11 @@ into an IPython ``UsageError`` or a command-line error.
 from __future__ import annotations
 
 import difflib
-import os
+import importlib.util
 from collections.abc import Iterable
 from typing import Any
 
+from memlab._outputs import check_output_path
 from memlab.line_profiler import DEFAULT_COLUMNS
 from memlab.line_profiler.records import EXTRA_COLUMNS, TIME, validate_columns
 from memlab.sources.stats import STAT_KEYS
@@ -27,8 +28,10 @@ __all__ = [
     "OUTPUT_OPTION",
     "PLOT_OPTION",
     "SNAPSHOT_OPTION",
+    "TABLE_EXTENSIONS",
     "check_plot_path",
     "check_snapshot_path",
+    "check_table_path",
     "columns_shown",
 ]
 
@@ -36,6 +39,8 @@ __all__ = [
 SNAPSHOT_EXTENSIONS = (".pickle", ".pkl")
 #: File endings accepted for a plot (matplotlib writes each by its ending).
 PLOT_EXTENSIONS = (".png", ".svg", ".pdf")
+#: File endings accepted for a table (``-o``): text, JSON or CSV, by the ending.
+TABLE_EXTENSIONS = (".txt", ".json", ".csv")
 
 # Keyword arguments of the options that `memlab run`, `memlab demo` and %mlrun share, for argparse's
 # add_argument and IPython's @argument alike (argparse copies an append action's default list).
@@ -81,23 +86,28 @@ def check_snapshot_path(path: str, name: str = "--snapshot") -> str:
     """``path`` if a snapshot pickle can be written there, before anything runs.
 
     Raises ``ValueError`` (one line, naming the option ``name``) when ``path`` does not end in
-    ``.pickle`` or ``.pkl`` or its folder does not exist.
+    ``.pickle`` or ``.pkl``, is a folder, or its folder does not exist or may not be written
+    (:func:`memlab._outputs.check_output_path`).
     """
-    return _check_output_path(path, SNAPSHOT_EXTENSIONS, name)
+    check_output_path(path, name, SNAPSHOT_EXTENSIONS)
+    return path
 
 
 def check_plot_path(path: str, name: str = "--plot") -> str:
     """``path`` if a plot can be written there, before anything runs: it ends in ``.png``,
-    ``.svg`` or ``.pdf`` and its folder exists; else ``ValueError`` naming the option ``name``."""
-    return _check_output_path(path, PLOT_EXTENSIONS, name)
+    ``.svg`` or ``.pdf``, can be written (:func:`memlab._outputs.check_output_path`) and matplotlib
+    is installed; else ``ValueError`` naming the option ``name``."""
+    check_output_path(path, name, PLOT_EXTENSIONS)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"{name} {path}: plotting needs matplotlib: pip install 'memlab[plot]'")
+    return path
 
 
-def _check_output_path(path: str, extensions: tuple[str, ...], name: str) -> str:
-    if os.path.splitext(path)[1].lower() not in extensions:
-        raise ValueError(f"{name} {path}: write to a file ending in {', '.join(extensions)}")
-    folder = os.path.dirname(path)
-    if folder and not os.path.isdir(folder):
-        raise ValueError(f"{name} {path}: no such folder {folder!r}")
+def check_table_path(path: str, name: str = "-o") -> str:
+    """``path`` if the table can be written there, before anything runs: it ends in ``.txt``,
+    ``.json`` or ``.csv`` (:data:`TABLE_EXTENSIONS`) and can be written
+    (:func:`memlab._outputs.check_output_path`); else ``ValueError`` naming the option ``name``."""
+    check_output_path(path, name, TABLE_EXTENSIONS)
     return path
 
 

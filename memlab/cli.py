@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Where does my PyTorch memory go, line by line, and will it fit?",
     )
     parser.add_argument("--version", action="version", version=f"memlab {memlab.__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Not required=True: argparse would then report a missing COMMAND before an unknown option
+    # (memlab --bogus); main() asks for the command itself once the options were read.
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command_class in COMMANDS.items():
         command = command_class()
         subparser = commands.add_parser(name, help=command.help, description=command.help)
@@ -43,7 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     A usage error (a missing script, a bad column, a function that never appears) is one line on
     stderr and status 2; otherwise the status is the command's (``memlab run``: the script's).
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(f"name a COMMAND: {', '.join(COMMANDS)}")
     try:
         return int(args.handler.run(args))
     except CommandError as error:

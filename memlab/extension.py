@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import shlex
+import sys
 import types
 from collections import ChainMap
 from collections.abc import Mapping
@@ -34,7 +35,8 @@ from memlab._arguments import (
 )
 from memlab._devices import parse_device
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
-from memlab.history.recording import snapshot_recorded
+from memlab._outputs import check_output_path
+from memlab.history.recording import collect_unwritten, snapshot_recorded
 from memlab.line_profiler import LineProfiler
 from memlab.reporter import MemReporter
 from memlab.sources.select import check_target, measured_device
@@ -187,7 +189,9 @@ class MemlabMagics(Magics):
                 check_snapshot_path(args.snapshot)
             if args.plot is not None:
                 check_plot_path(args.plot)
-        except ValueError as error:
+            if args.dump_profile is not None:
+                check_output_path(args.dump_profile, "-T")
+        except (TypeError, ValueError) as error:
             raise UsageError(str(error)) from None
         namespace = _namespace(self.shell.user_ns, local_ns)
         code = _Cell(self.shell, statement)
@@ -198,10 +202,12 @@ class MemlabMagics(Magics):
         except ValueError as error:
             raise UsageError(str(error)) from None
         recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        unwritten: list[str] = []
         if args.snapshot is not None or args.plot is not None:
             device, _ = measured_device(profiler.target_gpu)
             tracker = TensorTracker(adopt=True, history=True)
-            recording = snapshot_recorded(args.snapshot, device, tracker, args.plot)
+            on_error = collect_unwritten(unwritten, args.snapshot, args.plot)
+            recording = snapshot_recorded(args.snapshot, device, tracker, args.plot, on_error=on_error)
         try:
             with recording, profiler:
                 for statement_code, bound in code.statements:
@@ -209,13 +215,15 @@ class MemlabMagics(Magics):
                     watch.look_up(rebound=bound)
         except BaseException:
             with contextlib.suppress(Exception):  # the code's own error matters more than the table
-                self._show(profiler, watch.functions(), columns, args)
+                self._show(profiler, watch.functions(), columns, args, unwritten=unwritten)
             raise
         try:
             functions = watch.check()
         except ValueError as error:
             raise UsageError(str(error)) from None
-        stats = self._show(profiler, functions, columns, args, returned=not args.return_profiler)
+        stats = self._show(
+            profiler, functions, columns, args, returned=not args.return_profiler, unwritten=unwritten
+        )
         if args.return_profiler:
             return profiler
         return stats
@@ -227,15 +235,23 @@ class MemlabMagics(Magics):
         columns: tuple[str, ...],
         args: Any,
         returned: bool = False,
+        unwritten: list[str] | None = None,
     ) -> Any:
-        """Write ``-T``, then display the table unless quiet; return it instead when ``returned``."""
-        if not functions:
-            return None
-        stats = lp.display(functions, columns)
-        if args.dump_profile:
-            with open(args.dump_profile, "w", encoding="utf-8") as file:
-                file.write(repr(stats))
-        if args.quiet:
+        """Write ``-T``, then display the table unless quiet; return it instead when ``returned``.
+        Files that could not be written (``unwritten``, and ``-T`` itself) are named on stderr;
+        the table is shown all the same."""
+        unwritten = [] if unwritten is None else unwritten
+        stats = lp.display(functions, columns) if functions else None
+        if args.dump_profile and stats is not None:
+            try:
+                with open(args.dump_profile, "w", encoding="utf-8") as file:
+                    file.write(repr(stats))
+            except OSError as error:  # checked before the code ran: a full disk, a folder gone
+                unwritten.append(f"-T {args.dump_profile}: {error}")
+        for what in unwritten:
+            print(f"memlab: could not write {what}", file=sys.stderr)
+        unwritten.clear()
+        if stats is None or args.quiet:
             return None
         if returned:
             return stats
@@ -281,5 +297,11 @@ class MemlabMagics(Magics):
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%mlrun``, ``%%mlrun`` and ``%memreport`` (``%load_ext memlab``)."""
+    """Register ``%mlrun``, ``%%mlrun`` and ``%memreport`` (``%load_ext memlab``); ``TypeError``
+    unless ``ipython`` is an IPython shell (``get_ipython()``)."""
+    if not callable(getattr(ipython, "register_magics", None)):
+        raise TypeError(
+            "ipython must be the IPython shell (get_ipython(), or what %load_ext memlab passes), got "
+            f"{type(ipython).__name__} {ipython!r:.80}"
+        )
     ipython.register_magics(MemlabMagics)

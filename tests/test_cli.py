@@ -273,10 +273,19 @@ def test_run_module_with_names_resolved_when_they_appear(
         (["demo", "--device", "mps"], "--device mps: this torch cannot use it here ("),
         (["demo", "--epochs", "0"], "argument --epochs: must be a whole number of at least 1, got '0'"),
         (["run", "-g", "mps", "{script}"], "-g mps: this torch cannot use it here ("),
+        (["--bogus"], "memlab: error: unrecognized arguments: --bogus (see memlab --help)"),
+        (["--bogus", "run", "{script}"], "memlab: error: unrecognized arguments: --bogus (see memlab"),
+        ([], "memlab: error: name a COMMAND: run, viz, demo (see memlab --help)"),
+        (
+            ["run", "{folder}"],
+            "memlab run: error: '{folder}' is a directory, not a script: name a .py file in it, or run a "
+            "package with -m package",
+        ),
     ],
 )
 def test_errors_are_one_line_with_status_2(argv: list[str], named: str, script: Path, capsys: Any) -> None:
-    argv = [arg.format(script=script) for arg in argv]
+    argv = [arg.format(script=script, folder=script.parent) for arg in argv]
+    named = named.format(folder=script.parent)
     try:
         status = main(argv)
     except SystemExit as exit:  # argparse's own errors
@@ -417,6 +426,20 @@ def test_run_propagates_the_scripts_own_usage_error(capsys: Any) -> None:
 def test_demo_profiles_the_example(capsys: Any) -> None:
     assert memlab("demo", "--epochs", 1) == 0
     assert tables(capsys.readouterr().out) == {"train_step": TRAIN_STEP_ROWS}
+
+
+def test_demo_and_run_say_where_the_numbers_come_from_in_the_same_words(
+    capsys: Any, monkeypatch: Any
+) -> None:
+    assert memlab("demo", "--epochs", 1) == 0
+    demo = capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(decorators, "_global", None)
+    assert memlab("run", "-f", "train_step", EXAMPLE, "--epochs", 1) == 0
+    run = capsys.readouterr().out.splitlines()
+    assert demo[1] == run[1] == SOURCE_LINE  # line 0: the example's "epoch 1: loss ..."
+    monkeypatch.setattr(decorators, "_global", None)
+    assert memlab("demo", "--epochs", 1, "--device", "cpu") == 0  # as memlab run -g cpu: a device named
+    assert capsys.readouterr().out.splitlines()[1] == SOURCE_LINE.replace(" (no CUDA GPU here)", "")
 
 
 def test_run_without_names_shows_the_decorated_functions(capsys: Any) -> None:

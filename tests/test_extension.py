@@ -6,6 +6,7 @@ Without a GPU the profiler measures through a TensorTracker with the CUDA alloca
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -329,3 +330,39 @@ def test_a_gpu_index_that_does_not_exist_is_a_usage_error_not_the_cpu(ip: Any) -
         ip.run_line_magic("mlrun", "-g 99 -f work work()")
     assert str(error.value).startswith("-g 99: no such GPU (this machine has ")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("folder", "-T {tmp}/folder: is a folder; name a file to write in it"),
+        ("gone/profile.txt", "-T {tmp}/gone/profile.txt: no such folder '{tmp}/gone'"),
+    ],
+)
+def test_mlrun_dump_profile_path_is_checked_before_the_code_runs(
+    ip: Any, tmp_path: Path, target: str, message: str
+) -> None:
+    (tmp_path / "folder").mkdir()
+    run(ip, WORK_CELL + "ran = []\n")
+    with pytest.raises(UsageError) as error:
+        ip.run_line_magic("mlrun", f"-T {tmp_path}/{target} -f work ran.append(work())")
+    assert str(error.value) == message.format(tmp=tmp_path)
+    assert ip.user_ns["ran"] == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux): always full")
+def test_mlrun_shows_the_table_when_dump_profile_cannot_be_written(ip: Any, tmp_path: Path) -> None:
+    full = tmp_path / "full.txt"
+    full.symlink_to("/dev/full")
+    result, captured = run(ip, f"%%mlrun -T {full} -f work\n" + WORK_CELL)
+    assert result.error_in_exec is None
+    assert rows(result.result) == WORK_ROWS
+    assert captured.stderr == f"memlab: could not write -T {full}: [Errno 28] No space left on device\n"
+
+
+def test_load_ipython_extension_needs_the_shell() -> None:
+    with pytest.raises(TypeError) as error:
+        memlab.load_ipython_extension(5)
+    assert str(error.value) == (
+        "ipython must be the IPython shell (get_ipython(), or what %load_ext memlab passes), got int 5"
+    )

@@ -23,7 +23,8 @@ __all__ = ["MainProgram"]
 class MainProgram:
     """``target`` (a script path, or a module name when ``as_module``) with arguments ``args``.
 
-    Raises :class:`CommandError` when the script does not exist or the module cannot be found.
+    Raises :class:`CommandError` when the script does not exist or is a directory, or the module
+    cannot be found.
     """
 
     def __init__(self, target: str, args: Sequence[str], as_module: bool = False) -> None:
@@ -36,6 +37,11 @@ class MainProgram:
             self.globals.update(__file__=path, __spec__=spec, __loader__=spec.loader, __package__=spec.parent)
             self.path_entry = os.getcwd()
         else:
+            if os.path.isdir(target):
+                raise CommandError(
+                    f"{target!r} is a directory, not a script: name a .py file in it, or run a package "
+                    "with -m package"
+                )
             if not os.path.isfile(target):
                 raise CommandError(f"no such script: {target!r}")
             with open(target, "rb") as file:

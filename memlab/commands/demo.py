@@ -59,7 +59,10 @@ class DemoCommand:
         previous = torch.get_default_device()
         torch.set_default_device(device)
         try:
-            return profile_program(program, [EXAMPLE_FUNCTION], columns, device, args.output)
+            # Without --device, measure what memlab run measures by default (its target 0: the GPU,
+            # or without one the default device set above), so that both say the same first line.
+            target = None if args.device is None else device
+            return profile_program(program, [EXAMPLE_FUNCTION], columns, target, args.output)
         finally:
             torch.set_default_device(None if previous == torch.device("cpu") else previous)
 

@@ -29,6 +29,7 @@ from memlab._arguments import (
     SNAPSHOT_OPTION,
     check_plot_path,
     check_snapshot_path,
+    check_table_path,
     columns_shown,
 )
 from memlab._devices import cuda_device_exists
@@ -36,7 +37,7 @@ from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
-from memlab.history.recording import snapshot_recorded
+from memlab.history.recording import collect_unwritten, snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
 from memlab.oom import explain_oom
 from memlab.sources.select import check_target, measured_device
@@ -44,16 +45,16 @@ from memlab.sources.tracker import TensorTracker
 
 __all__ = ["RunCommand", "profile_program"]
 
-_OUTPUTS = (".txt", ".json", ".csv")
-
 
 def _output_format(path: str | None) -> str | None:
+    """The ending of ``-o`` (``.txt``, ``.json`` or ``.csv``), checked before anything runs."""
     if path is None:
         return None
-    extension = os.path.splitext(path)[1].lower()
-    if extension not in _OUTPUTS:
-        raise CommandError(f"-o {path}: write to a file ending in {', '.join(_OUTPUTS)}")
-    return extension
+    try:
+        check_table_path(path)
+    except (TypeError, ValueError) as error:
+        raise CommandError(str(error)) from None
+    return os.path.splitext(path)[1].lower()
 
 
 def _check_paths(snapshot: str | None, plot: str | None) -> None:
@@ -62,29 +63,45 @@ def _check_paths(snapshot: str | None, plot: str | None) -> None:
             check_snapshot_path(snapshot)
         if plot is not None:
             check_plot_path(plot)
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise CommandError(str(error)) from None
 
 
 def _print_and_write(
     profiler: LineProfiler, shown: list[Any], columns: Sequence[str], output: str | None
-) -> None:
-    """Print the table of ``shown`` to stdout and write it to ``output`` in its format."""
+) -> list[str]:
+    """Print the table of ``shown`` to stdout and write it to ``output`` in its format; return
+    what could not be written (``["-o FILE: why"]``), the table printed all the same."""
     stats = profiler.display(shown, columns)
     sys.stdout.write(repr(stats))
     sys.stdout.flush()
     extension = _output_format(output)
-    if extension == ".txt":
-        with open(output, "w", encoding="utf-8") as file:  # type: ignore[arg-type]
-            file.write(repr(stats))
-    elif extension == ".json":
-        profiler.to_json(output, shown, columns)
-    elif extension == ".csv":
-        profiler.to_csv(output, shown, columns)
+    try:
+        if extension == ".txt":
+            with open(output, "w", encoding="utf-8") as file:  # type: ignore[arg-type]
+                file.write(repr(stats))
+        elif extension == ".json":
+            profiler.to_json(output, shown, columns)
+        elif extension == ".csv":
+            profiler.to_csv(output, shown, columns)
+    except (OSError, ValueError) as error:
+        return [f"-o {output}: {error}"]
+    return []
+
+
+def _report_unwritten(unwritten: list[str], status: int) -> int:
+    """Say on stderr which files could not be written (after the table, which is printed all the
+    same) and return the exit status: the program's, or 1 when it succeeded but a file is missing."""
+    for what in unwritten:
+        print(f"memlab run: could not write {what}", file=sys.stderr)
+    return 1 if unwritten and status == 0 else status
 
 
 def _program_tracker(
-    profiler: LineProfiler, snapshot: str | None = None, plot: str | None = None
+    profiler: LineProfiler,
+    snapshot: str | None = None,
+    plot: str | None = None,
+    unwritten: list[str] | None = None,
 ) -> contextlib.AbstractContextManager[Any]:
     """A :class:`memlab.TensorTracker` for the whole program when ``profiler`` would measure through
     one (its target is not a CUDA GPU present here), else nothing: the profiler uses the tracker
@@ -93,14 +110,16 @@ def _program_tracker(
     With ``snapshot`` (a path), the memory snapshot of the run is written there at the end: the
     tracker's (entered even when the profiler measures otherwise, with ``history`` on), or on a
     CUDA GPU PyTorch's own, recorded for the run. With ``plot`` (a path), its plot
-    (:func:`memlab.plot_memory`) is written there too.
+    (:func:`memlab.plot_memory`) is written there too. A file that cannot be written is added to
+    ``unwritten`` as ``"--snapshot FILE: why"`` (without ``unwritten``: raised).
     """
     device, _ = measured_device(profiler.target_gpu)
     recording = snapshot is not None or plot is not None
     tracker = TensorTracker(history=recording)
     tracker.counted_from = "the program's first line"
     if recording:
-        return snapshot_recorded(snapshot, device, tracker, plot)
+        on_error = None if unwritten is None else collect_unwritten(unwritten, snapshot, plot)
+        return snapshot_recorded(snapshot, device, tracker, plot, on_error=on_error)
     if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
         return tracker
     return contextlib.nullcontext()
@@ -129,7 +148,10 @@ def profile_program(
     program raises or exits (see :func:`memlab.history.recording.snapshot_written`); an
     out-of-memory error is explained on stderr (:func:`memlab.explain_oom`); ``plot``
     (``.png``, ``.svg``, ``.pdf``) its plot (:func:`memlab.plot_memory`). A name that never
-    appears is a :class:`CommandError` after the run.
+    appears is a :class:`CommandError` after the run. Every output path is checked before the
+    program runs (a :class:`CommandError`); a file that still cannot be written at the end (a
+    full disk) is named on stderr after the table, which is printed all the same, and the status
+    is then 1 if the program succeeded.
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
 
@@ -167,8 +189,9 @@ def profile_program(
         )
     except ValueError as error:
         raise CommandError(str(error)) from None
+    unwritten: list[str] = []
     try:
-        with watch.watching_imports(), _program_tracker(profiler, snapshot, plot), explain_oom():
+        with watch.watching_imports(), _program_tracker(profiler, snapshot, plot, unwritten), explain_oom():
             if functions:
                 with profiler:
                     status = program.run()
@@ -182,14 +205,18 @@ def profile_program(
     if shown:
         if ranks is not None:
             print(f"memlab run: rank {ranks.rank} of {ranks.world_size}", flush=True)
-        _print_and_write(profiler, shown, columns, output)
+        unwritten += _print_and_write(profiler, shown, columns, output)
     if gather:
         merged = gather_ranks(profiler, shown, status)
         if merged is not None:
             sys.stdout.write(merged.render())
             sys.stdout.flush()
             if merged_output is not None:
-                write_merged(merged, merged_output)
+                try:
+                    write_merged(merged, merged_output)
+                except OSError as error:
+                    unwritten.append(f"-o {merged_output}: {error}")
+    status = _report_unwritten(unwritten, status)
     try:
         watch.check()
     except ValueError as error:

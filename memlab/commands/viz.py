@@ -5,33 +5,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
+import sys
 from typing import Any
 
+from memlab._outputs import check_output_path
 from memlab.commands._command import CommandError
+from memlab.history.export import read_snapshot as _read_snapshot
 
 __all__ = ["VizCommand", "read_snapshot"]
 
 
 def read_snapshot(path: str) -> dict[str, Any]:
     """The ``torch.cuda.memory._snapshot()`` dict pickled at ``path`` (``memlab run --snapshot``,
-    :func:`memlab.dump_snapshot` or PyTorch's own). Raises :class:`CommandError` when there is no
-    such file or it holds no memory snapshot."""
+    :func:`memlab.dump_snapshot` or PyTorch's own; see :func:`memlab.history.export.read_snapshot`).
+    Raises :class:`CommandError` when there is no such file or it holds no memory snapshot."""
     try:
-        with open(path, "rb") as file:
-            data = pickle.load(file)
-    except FileNotFoundError:
-        raise CommandError(f"no such snapshot: {path!r}") from None
-    except IsADirectoryError:
-        raise CommandError(f"{path!r} is a folder, not a snapshot pickle") from None
-    except Exception:  # anything unpickling can raise: the file is not a pickle we can read
-        data = None
-    if not isinstance(data, dict) or not {"segments", "device_traces"} <= data.keys():
-        raise CommandError(
-            f"{path!r} is not a memory snapshot pickle (write one with memlab run --snapshot FILE, "
-            "memlab.dump_snapshot or torch.cuda.memory._dump_snapshot)"
-        )
-    return data
+        return _read_snapshot(path, name="snapshot")
+    except (OSError, ValueError) as error:
+        raise CommandError(str(error)) from None
 
 
 class VizCommand:
@@ -44,8 +35,9 @@ class VizCommand:
             "Write an HTML page of a memory snapshot pickle (memlab run --snapshot, %%mlrun --snapshot, "
             "memlab.dump_snapshot or torch.cuda.memory._dump_snapshot) through torch.cuda._memory_viz: "
             "the Active Memory Timeline (trace_plot), or with --segments the Allocator State History "
-            "(segment_plot). The page embeds the snapshot but loads PyTorch's viewer script from the "
-            "web (pytorch.org), so it needs an internet connection to display."
+            "(segment_plot). The page embeds the snapshot but loads PyTorch's viewer script "
+            "(MemoryViz.js) from the web, from cdn.jsdelivr.net (a mirror of PyTorch's GitHub "
+            "repository), so it needs an internet connection to display."
         )
         parser.add_argument("snapshot", help="the snapshot pickle to render")
         parser.add_argument(
@@ -61,16 +53,19 @@ class VizCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        output = args.output or os.path.splitext(args.snapshot)[0] + ".html"
-        if os.path.splitext(output)[1].lower() not in (".html", ".htm"):
-            raise CommandError(f"-o {output}: write to a file ending in .html, .htm")
-        folder = os.path.dirname(output)
-        if folder and not os.path.isdir(folder):
-            raise CommandError(f"-o {output}: no such folder {folder!r}")
+        output = args.output if args.output is not None else os.path.splitext(args.snapshot)[0] + ".html"
+        try:
+            check_output_path(output, "-o", (".html", ".htm"))
+        except ValueError as error:
+            raise CommandError(str(error)) from None
         data = read_snapshot(args.snapshot)
         from torch.cuda import _memory_viz
 
         html = _memory_viz.segment_plot(data) if args.segments else _memory_viz.trace_plot(data)
-        with open(output, "w", encoding="utf-8") as file:
-            file.write(html)
+        try:
+            with open(output, "w", encoding="utf-8") as file:
+                file.write(html)
+        except OSError as error:  # checked before, so the disk filled up or the folder went away
+            print(f"memlab viz: could not write -o {output}: {error}", file=sys.stderr)
+            return 1
         return 0

@@ -56,7 +56,7 @@ def rank_report(source: Any, error: BaseException | str | None = None, func: Any
             report.update(status="profiled", **_tracker_report(source))
     elif source is not None:
         raise TypeError(
-            f"gather() takes a memlab.LineProfiler, a memlab.TensorTracker or None (this rank profiled "
+            f"source must be a memlab.LineProfiler, a memlab.TensorTracker or None (this rank profiled "
             f"nothing); got {type(source).__name__}"
         )
     if error is not None:
@@ -123,6 +123,11 @@ def gather(
         )
     if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < dist.get_world_size():
         raise ValueError(f"dst must be a rank from 0 to {dist.get_world_size() - 1}, got {dst!r}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "group must be None (the whole job) or a torch.distributed ProcessGroup "
+            f"(torch.distributed.new_group(...)), got {type(group).__name__} {group!r:.80}"
+        )
     if error is None:
         error = sys.exc_info()[1]
     problem: TypeError | None = None

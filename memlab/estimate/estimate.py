@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memlab._devices import parse_device
 from memlab._units import format_size, parse_size
 from memlab.estimate.copies import Copier
+from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.sizes import RealSizes
 from memlab.history import categories
 from memlab.history.recorder import capture_stack
@@ -389,7 +390,7 @@ def run_estimate(
     kernels = _kernels(device, data_free=method != "cpu")
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
-    with _disable_current_modes(), mode or contextlib.nullcontext():
+    with _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
         call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))

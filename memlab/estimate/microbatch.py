@@ -66,6 +66,12 @@ class AutoBatched:
         the full-batch loss, detached."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         size = self._batch_size(leaves)
+        if size == 0:  # nothing to split: what the loss function itself does with an empty batch
+            loss = self.loss_fn(*args, **kwargs)
+            _check_loss(loss, self.loss_fn)
+            loss.backward()
+            self.micro_batch_size = 0
+            return loss.detach()
         batched = [
             isinstance(leaf, torch.Tensor)
             and leaf.dim() > self.batch_dim
@@ -233,6 +239,9 @@ def autobatch(
     cannot see, or held outside ``loss_fn``), the gradients that existed before the step are
     restored (from host copies made at the start of the call), the micro-batch is halved and
     the step retried, with a ``RuntimeWarning``; at micro-batches of 1 the error is raised.
+
+    An empty batch (size 0 along ``batch_dim``) is passed whole, without an estimate: the loss
+    and gradients are what ``loss_fn`` gives for it (a mean over nothing is ``nan``).
 
     Layers whose output depends on the whole batch (BatchNorm in training mode) cannot give the
     full batch's gradients from micro-batches: a ``UserWarning`` names them once. Use as

@@ -55,7 +55,7 @@ _CODES = {name: code for code, name in enumerate(CATEGORIES)}
 
 def category_code(category: str) -> int:
     """The code of ``category`` (one of :data:`CATEGORIES`) in a history's columns."""
-    code = _CODES.get(category)
+    code = _CODES.get(category) if isinstance(category, str) else None
     if code is None:
         raise ValueError(f"category must be one of {', '.join(CATEGORIES)}; got {category!r}")
     return code

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from memlab._outputs import check_output_path
 from memlab.history.series import memory_series
 
 if TYPE_CHECKING:
@@ -68,6 +69,12 @@ def binary_size(nbytes: int) -> str:
     return f"{nbytes / scale:.2f} {unit}"
 
 
+def _check_path(path: str | os.PathLike[str] | None) -> None:
+    """``path`` (``None``: nothing is saved) checked before anything is drawn."""
+    if path is not None:
+        check_output_path(path, "path")
+
+
 def _save(figure: Figure, path: str | os.PathLike[str] | None) -> Figure:
     if path is not None:
         figure.savefig(path, dpi=100, bbox_inches="tight")
@@ -90,10 +97,12 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     the peak of allocated bytes marked with the ``file:line`` of the allocation that reached it.
 
     ``source``: a ``memlab.TensorTracker`` entered with ``history=True`` (its :meth:`snapshot`
-    of ``device``), or a snapshot dict in ``torch.cuda.memory._snapshot()`` format (from
-    ``tracker.snapshot()``, a pickle written by ``memlab.dump_snapshot`` or by PyTorch on a GPU;
-    ``device`` is then an index into its ``device_traces``). With ``path``, the figure is also
-    saved there (format from the extension, e.g. ``.png``, ``.svg``, ``.pdf``). Returns the
+    of ``device``), a snapshot dict in ``torch.cuda.memory._snapshot()`` format (from
+    ``tracker.snapshot()``, a loaded pickle), or the path of a snapshot pickle (written by
+    ``memlab.dump_snapshot``, ``memlab run --snapshot`` or by PyTorch on a GPU; only pickles you
+    trust: unpickling can run code); for a dict or a path ``device`` is an index into its
+    ``device_traces``. With ``path``, the figure is also saved there (format from the
+    extension, e.g. ``.png``, ``.svg``, ``.pdf``; checked before anything is drawn). Returns the
     matplotlib ``Figure`` (not registered with pyplot: it needs no display and renders with Agg;
     notebooks show it inline).
 
@@ -102,19 +111,32 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     entry, memory outside PyTorch's allocator), and which tensor a category's bytes belong to
     (PyTorch's viewer, ``memlab viz``, shows each block). Raises ``ImportError`` naming
     ``pip install 'memlab[plot]'`` without matplotlib, ``ValueError`` for a snapshot without
-    trace entries, ``TypeError`` for another kind of ``source``.
+    trace entries, a file that is not a snapshot pickle or a ``path`` that cannot be written,
+    ``FileNotFoundError`` for a missing pickle, ``TypeError`` for another kind of ``source``.
     """
     from memlab.sources.tracker import TensorTracker
 
+    _check_path(path)
     if isinstance(source, TensorTracker):
         snapshot = source.snapshot(device)
         device = None
     elif isinstance(source, dict):
         snapshot = source
+    elif isinstance(source, (str, os.PathLike)):
+        from memlab.history.export import read_snapshot
+
+        snapshot = read_snapshot(source, name="source")
     else:
         raise TypeError(
-            "plot_memory() takes a memlab.TensorTracker (entered with history=True) or a memory "
-            f"snapshot dict (tracker.snapshot(), a loaded snapshot pickle); got {type(source).__name__}"
+            "source must be a memlab.TensorTracker (entered with history=True), a memory snapshot dict "
+            "(tracker.snapshot(), a loaded snapshot pickle) or the path of a snapshot pickle; got "
+            f"{type(source).__name__} {source!r:.80}"
+        )
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        error = ValueError if isinstance(device, int) and not isinstance(device, bool) else TypeError
+        raise error(
+            "device must be None or an index into the snapshot's device_traces (an int >= 0), got "
+            f"{type(device).__name__} {device!r:.80}"
         )
     series = memory_series(snapshot, device)
     figure = _matplotlib_figure()(figsize=(10, 5), layout="constrained")
@@ -175,7 +197,8 @@ def plot_lines(
     """A bar per source line that ran (``tables`` as ``LineProfiler`` builds them), its height
     the line's value of ``column`` in bytes (ticks in KiB / MiB / GiB, the value written at the
     bar's end), labelled ``function:line: code`` with the code cut to 40 characters; saved to
-    ``path`` when given."""
+    ``path`` when given (checked before anything is drawn)."""
+    _check_path(path)
     bars = [
         (f"{table.name}:{number}: {_shorten(code)}", row[column])
         for table in tables

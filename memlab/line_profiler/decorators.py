@@ -129,6 +129,8 @@ def profile_every(
         raise TypeError(f"output_interval must be a positive int, got {output_interval!r}")
     if output_interval < 1:
         raise ValueError(f"output_interval must be a positive int, got {output_interval}")
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be True or False, got {type(enable).__name__} {enable!r:.80}")
     columns = validate_columns(columns)
 
     def decorator(func: F) -> F:

@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from memlab._outputs import check_text_output
 from memlab.line_profiler.records import FunctionTable
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ def _rows(frame: pd.DataFrame) -> tuple[list[str], list[list[Any]]]:
 
 # -- files ----------------------------------------------------------------------------------------
 def _write(text: str, path_or_buf: Any) -> str | None:
+    check_text_output(path_or_buf)
     if path_or_buf is None:
         return text
     if hasattr(path_or_buf, "write"):
@@ -172,7 +174,10 @@ def _read(path_or_buf: Any, is_text: bool) -> str:
     if isinstance(path_or_buf, (str, os.PathLike)):
         with open(path_or_buf, encoding="utf-8", newline="") as file:
             return file.read()
-    raise TypeError(f"expected a path, a file object or the exported text, got {path_or_buf!r}")
+    raise TypeError(
+        f"path_or_buf must be a path, a file object or the exported text, got {type(path_or_buf).__name__} "
+        f"{path_or_buf!r:.80}"
+    )
 
 
 def write_json(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:
@@ -192,10 +197,26 @@ def read_json(path_or_buf: Any) -> pd.DataFrame:
     ``FileNotFoundError``. Raises ``ValueError`` for JSON that is not a memlab line profile.
     """
     is_text = isinstance(path_or_buf, str) and path_or_buf.lstrip().startswith("{")
-    data = json.loads(_read(path_or_buf, is_text))
+    try:
+        data = json.loads(_read(path_or_buf, is_text))
+    except ValueError as error:  # not JSON (a CSV), or not text at all (a pickle)
+        raise ValueError(
+            f"path_or_buf {_shown(path_or_buf)} is not a memlab line profile: expected the JSON "
+            f"LineProfiler.to_json writes ({type(error).__name__}: {error})"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
-        raise ValueError(f"not a memlab line profile (expected format {_JSON_FORMAT!r})")
+        raise ValueError(
+            f"path_or_buf {_shown(path_or_buf)} is not a memlab line profile (expected JSON of format "
+            f"{_JSON_FORMAT!r})"
+        )
     return _frame(data["rows"], data["columns"], data.get("source"))
+
+
+def _shown(path_or_buf: Any) -> str:
+    """``path_or_buf`` as an error message shows it: a path, or what kind of object it is."""
+    if isinstance(path_or_buf, os.PathLike) or (isinstance(path_or_buf, str) and "\n" not in path_or_buf):
+        return repr(os.fspath(path_or_buf))[:200]
+    return f"({type(path_or_buf).__name__})"
 
 
 def write_csv(frame: pd.DataFrame, path_or_buf: Any = None) -> str | None:
@@ -217,9 +238,18 @@ def read_csv(path_or_buf: Any) -> pd.DataFrame:
     ``FileNotFoundError``. Raises ``ValueError`` for a CSV that is not a memlab line profile.
     """
     is_text = isinstance(path_or_buf, str) and "\n" in path_or_buf
-    reader = csv.reader(io.StringIO(_read(path_or_buf, is_text)))
-    header = next(reader, [])
+    try:
+        reader = csv.reader(io.StringIO(_read(path_or_buf, is_text)))
+        header = next(reader, [])
+    except (ValueError, csv.Error) as error:  # not text (a pickle)
+        raise ValueError(
+            f"path_or_buf {_shown(path_or_buf)} is not a memlab line profile CSV ({type(error).__name__}: "
+            f"{error})"
+        ) from None
     if header[:2] != _INDEX or header[-1:] != ["code"]:
-        raise ValueError(f"not a memlab line profile CSV (expected columns {_INDEX} ... code)")
+        raise ValueError(
+            f"path_or_buf {_shown(path_or_buf)} is not a memlab line profile CSV (expected columns "
+            f"{_INDEX} ... code)"
+        )
     rows = [[r[0], int(r[1]), *(int(v) if v else None for v in r[2:-1]), r[-1]] for r in reader]
     return _frame(rows, header[2:-1])

@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 from line_profiler.profiler_mixin import ByCountProfilerMixin
 
+from memlab._outputs import check_stream
 from memlab.line_profiler import display as _display
 from memlab.line_profiler import export as _export
 from memlab.line_profiler.records import (
@@ -351,7 +352,9 @@ class LineProfiler(ByCountProfilerMixin):
         columns: str | Iterable[str] | None = None,
         stream: IO[str] | None = None,
     ) -> None:
-        """Write :meth:`display` as text to ``stream`` (``None``: ``sys.stdout`` as it is now)."""
+        """Write :meth:`display` as text to ``stream`` (``None``: ``sys.stdout`` as it is now;
+        ``TypeError`` for an object without ``write()``)."""
+        check_stream(stream)
         text = repr(self.display(func, columns))
         (sys.stdout if stream is None else stream).write(text)
 

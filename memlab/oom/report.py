@@ -114,7 +114,8 @@ class OOMReport:
     in all (``free + cached_free``) would hold the block but no free block does, else
     :data:`SHORTAGE`; ``None`` when no allocator state was captured (then the numbers are
     ``None`` too). ``caught`` is True when the error did not leave the watched block as it was
-    raised (a ``try`` inside swallowed or replaced it).
+    raised (a ``try`` inside swallowed or replaced it). ``snapshot_path`` is where the memory
+    snapshot was written, ``snapshot_error`` why it could not be (then ``snapshot_path`` is ``None``).
     """
 
     error_type: str
@@ -136,6 +137,7 @@ class OOMReport:
     culprits: tuple[Culprit, ...] = ()
     remedies: tuple[Remedy, ...] = ()
     snapshot_path: str | None = None
+    snapshot_error: str | None = None
     caught: bool = False
     notes: tuple[str, ...] = ()
 
@@ -184,6 +186,8 @@ class OOMReport:
             lines += [f"  a margin is no promise: {reason}" for reason in unsure]
         if self.snapshot_path is not None:
             lines.append(f"snapshot: {self.snapshot_path} (memlab viz, or pytorch.org/memory_viz)")
+        elif self.snapshot_error is not None:
+            lines.append(f"snapshot: not written: {self.snapshot_error}")
         return "\n".join(lines)
 
     def _state_lines(self) -> list[str]:

@@ -9,6 +9,8 @@ Nothing else happens on the way: entering and leaving a watch costs a list appen
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -22,6 +24,7 @@ from typing import Any, TextIO, TypeVar, overload
 
 import torch
 
+from memlab._outputs import check_stream
 from memlab.oom.capture import Call, OOMCapture, capture_cuda_oom, capture_tracker_oom, now_us
 from memlab.oom.report import OOMReport
 
@@ -130,11 +133,29 @@ class OOMWatch:
         remedies: bool = True,
     ) -> None:
         if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int)):
-            raise TypeError(f"batch_dim must be an int dimension or None, got {type(batch_dim).__name__}")
+            raise TypeError(
+                f"batch_dim must be an int dimension >= 0 or None, got {type(batch_dim).__name__} "
+                f"{batch_dim!r:.80}"
+            )
+        if batch_dim is not None and batch_dim < 0:
+            raise ValueError(
+                f"batch_dim must be an int dimension >= 0 or None (0), got {batch_dim}: the batch "
+                "dimension is counted from the front, as the same tensors may have different ranks"
+            )
+        check_stream(stream)
+        if snapshot_dir is not None and (
+            isinstance(snapshot_dir, bytes) or not isinstance(snapshot_dir, (str, os.PathLike))
+        ):
+            raise TypeError(
+                "snapshot_dir must be None ($MEMLAB_OOM_DIR, else the temporary directory) or a folder "
+                f"path (a str or os.PathLike), got {type(snapshot_dir).__name__} {snapshot_dir!r:.80}"
+            )
+        if not isinstance(remedies, bool):
+            raise TypeError(f"remedies must be True or False, got {type(remedies).__name__} {remedies!r:.80}")
         self.batch_dim = batch_dim
         self.stream = stream
         self.snapshot_dir = snapshot_dir
-        self.remedies = bool(remedies)
+        self.remedies = remedies
         self.reports: list[OOMReport] = []
         self._entered: list[_Entry] = []
 
@@ -170,9 +191,9 @@ class OOMWatch:
                 _pending.remove(capture)
                 self._explain(capture, None, caught=True)
         except Exception as failure:  # the user's error matters more than the explanation
-            stream = self.stream if self.stream is not None else sys.stderr
-            stream.write(
-                f"memlab: could not explain the out-of-memory error: {type(failure).__name__}: {failure}\n"
+            _say(
+                self.stream,
+                f"memlab: could not explain the out-of-memory error: {type(failure).__name__}: {failure}\n",
             )
         finally:
             if not _entries:
@@ -184,7 +205,7 @@ class OOMWatch:
 
         from memlab.oom.postmortem import build_report
 
-        path = None
+        path = unwritten = None
         if (
             capture is not None
             and capture.snapshot is not None
@@ -192,8 +213,15 @@ class OOMWatch:
         ):
             from memlab.history.export import write_snapshot
 
-            path = _snapshot_path(self.snapshot_dir)
-            write_snapshot(capture.snapshot, path)
+            try:
+                path = _snapshot_path(self.snapshot_dir)
+                folder = os.path.dirname(path)
+                if not os.path.isdir(folder):
+                    where = "snapshot_dir" if self.snapshot_dir is not None else "$MEMLAB_OOM_DIR"
+                    raise FileNotFoundError(f"no such folder {folder!r} ({where})")
+                write_snapshot(capture.snapshot, path)
+            except (OSError, ValueError) as failure:  # the report matters more than its snapshot
+                unwritten, path = str(failure), None
         trace = sys.gettrace()
         sys.settrace(None)  # nor traced by a line profiler that is on around the watch
         try:
@@ -203,11 +231,11 @@ class OOMWatch:
                 )
         finally:
             sys.settrace(trace)
+        if unwritten is not None:
+            report = dataclasses.replace(report, snapshot_error=unwritten)
         self.reports.append(report)
         _last[:] = [report]
-        stream = self.stream if self.stream is not None else sys.stderr
-        stream.write(report.text() + "\n")
-        stream.flush()
+        _say(self.stream, report.text() + "\n")
 
     def __call__(self, func: F) -> F:
         """Watch every call of ``func``; its arguments are the step the remedies estimate."""
@@ -234,6 +262,21 @@ class OOMWatch:
             return result
 
         return watched
+
+
+def _say(stream: TextIO | None, text: str) -> None:
+    """Write ``text`` to ``stream`` (default ``sys.stderr``), or to ``sys.stderr`` when ``stream``
+    fails (closed, full): nothing memlab writes may replace the user's error."""
+    try:
+        target = stream if stream is not None else sys.stderr
+        target.write(text)
+        target.flush()
+    except Exception as failure:
+        if stream is None:
+            return
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"memlab: could not write to stream ({type(failure).__name__}: {failure}):\n")
+            sys.stderr.write(text)
 
 
 def _take(error: BaseException, entry: _Entry) -> OOMCapture | None:
@@ -345,9 +388,14 @@ def explain_oom(
     without one, remedies start from an empty allocator and show a margin instead. With
     a trace (``history`` on, or PyTorch's memory history on a GPU) the memory snapshot is written
     to ``snapshot_dir`` (default ``$MEMLAB_OOM_DIR``, else the temporary directory) as
-    ``memlab-oom[-rank<r>]-<pid>-<n>.pickle``, and the report prints its path. The error itself
+    ``memlab-oom[-rank<r>]-<pid>-<n>.pickle``, and the report prints its path (or, when it cannot
+    be written, e.g. the folder does not exist, why: the rest of the report is written). The error itself
     is re-raised unchanged; an error a ``try`` inside the block swallowed is still explained when
     the block ends. ``remedies=False`` skips the remedies (replays and estimates cost time).
+
+    Arguments are checked here (``TypeError``/``ValueError`` naming them), never at the error:
+    nothing memlab does while explaining replaces the user's exception (a failure of its own is
+    one line on ``stream``, or on ``sys.stderr`` when ``stream`` itself fails).
 
     Returns an :class:`OOMWatch` (``func`` omitted) or the watched function. Nothing is printed and
     no statistic is read while no error happens. What it cannot see: errors raised where no

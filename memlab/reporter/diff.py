@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
 from memlab._devices import DeviceLike
+from memlab._outputs import check_stream
 from memlab._units import format_size
 from memlab.reporter.snapshot import (
     NAME_WIDTH,
@@ -148,6 +149,7 @@ class SnapshotDiff:
 
     def report(self, device: DeviceLike | None = None, stream: TextIO | None = None) -> None:
         """Write :meth:`render` to ``stream`` (default: ``sys.stdout`` at call time)."""
+        check_stream(stream)
         print(self.render(device), file=sys.stdout if stream is None else stream)
 
     def to_dataframe(self) -> pd.DataFrame:

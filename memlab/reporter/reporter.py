@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 import torch
 
 from memlab._devices import DeviceLike
+from memlab._outputs import check_stream
 from memlab._tensors import check_optimizer, reachable_tensors
 from memlab.history.categories import BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, UNKNOWN
 from memlab.reporter.diff import SnapshotDiff
@@ -98,10 +99,11 @@ class MemReporter:
                 raise TypeError(
                     f"tracker must be a memlab.TensorTracker or None, got {type(tracker).__name__}"
                 )
+        _check_flag(pre_collect, "pre_collect")
         self.tracker = tracker
         self._model = None if model is None else weakref.ref(model)
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
-        self.pre_collect = bool(pre_collect)
+        self.pre_collect = pre_collect
         self._anonymous: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
         self._next_number = 0
 
@@ -131,13 +133,17 @@ class MemReporter:
         elsewhere, with one line explaining a difference. ``verbose=True`` also lists tensors
         sharing another's storage as ``name(->owner)`` with ``0.00B``. Writes to ``stream``
         (default ``sys.stdout`` at call time). No reference to any tensor is kept afterwards.
+        ``TypeError`` for a ``stream`` without ``write()`` or a ``verbose`` that is not a bool.
         """
+        check_stream(stream)
+        _check_flag(verbose, "verbose")
         wanted = device_key(device)
         with paused_gc():  # the records die before a collection could traverse them
             self._snapshot(source, dtypes=False).report(verbose=verbose, device=wanted, stream=stream)
 
     def to_dataframe(self, verbose: bool = False, device: DeviceLike | None = None) -> pd.DataFrame:
         """The rows :meth:`report` would print, as a DataFrame (see :meth:`TensorSnapshot.to_dataframe`)."""
+        _check_flag(verbose, "verbose")
         wanted = device_key(device)
         with paused_gc():
             return self._snapshot(None).to_dataframe(verbose=verbose, device=wanted)
@@ -148,7 +154,14 @@ class MemReporter:
             return self._snapshot(source)
 
     def diff(self, before: TensorSnapshot, after: TensorSnapshot | None = None) -> SnapshotDiff:
-        """What appeared, disappeared, grew or shrank from ``before`` to ``after`` (default: now)."""
+        """What appeared, disappeared, grew or shrank from ``before`` to ``after`` (default: now),
+        both :class:`TensorSnapshot` s taken by :meth:`snapshot` (``TypeError`` otherwise)."""
+        for name, value in (("before", before), ("after", after)):
+            if not isinstance(value, TensorSnapshot) and not (name == "after" and value is None):
+                raise TypeError(
+                    f"{name} must be a TensorSnapshot (from MemReporter.snapshot())"
+                    f"{' or None (now)' if name == 'after' else ''}, got {type(value).__name__} {value!r:.80}"
+                )
         return SnapshotDiff.between(before, self.snapshot() if after is None else after)
 
     # -- collection --------------------------------------------------------------------------
@@ -325,6 +338,11 @@ def _gradients(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
             seen.add(id(grad))
             grads[id(tensor)] = grad
     return grads
+
+
+def _check_flag(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r:.80}")
 
 
 def _check_device_model(device_model: object) -> str | None:

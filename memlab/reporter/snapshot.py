@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 from memlab._devices import DeviceLike, parse_device
+from memlab._outputs import check_stream
 from memlab._units import format_size
 from memlab.history import categories
 
@@ -194,6 +195,7 @@ class TensorSnapshot:
         self, verbose: bool = False, device: DeviceLike | None = None, stream: TextIO | None = None
     ) -> None:
         """Write the pytorch_memlab-style text report to ``stream`` (default: ``sys.stdout`` now)."""
+        check_stream(stream)
         with paused_gc():
             text = self.render(verbose=verbose, device=device)
         print(text, file=sys.stdout if stream is None else stream)

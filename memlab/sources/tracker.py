@@ -413,6 +413,7 @@ class TensorTracker(TorchDispatchMode):
         storages (sparse, wrapper subclasses), its first. ``None`` with ``history`` off, or for
         a storage the tracker did not count (pre-existing, empty, or made outside the dispatcher).
         """
+        _check_tensor(tensor)
         if not self.history:
             return None
         if self._pending:
@@ -503,13 +504,21 @@ class TensorTracker(TorchDispatchMode):
         allocator counts them (``allocated_bytes.all``: with the CUDA model, rounded to blocks).
 
         With ``history`` on, ``category`` (one of :data:`memlab.history.categories.CATEGORIES`)
-        is given to the adopted blocks (the line profiler adopts a call's arguments as ``input``).
+        is given to the adopted blocks (the line profiler adopts a call's arguments as ``input``);
+        another value is a ``ValueError`` before anything is adopted, with or without history.
 
         Adoption cannot see autograd's saved tensors of a graph alive at that moment, tensors
         held only by C++ code, or memory allocated outside PyTorch's storages. Walking ``gc``
         costs time in proportion to the objects alive (tens of milliseconds with a few hundred
         thousand); walking ``roots`` costs almost nothing.
         """
+        if category is not None:
+            categories.category_code(category)  # checked before anything is adopted
+        if roots is not None and (isinstance(roots, (str, bytes)) or not isinstance(roots, Iterable)):
+            raise TypeError(
+                f"roots must be None (what gc can reach) or an iterable of objects holding tensors, got "
+                f"{type(roots).__name__} {roots!r:.80}"
+            )
         if self._pending:
             self._drain()
         wanted = None if device is None else resolve_device(device)
@@ -610,6 +619,7 @@ class TensorTracker(TorchDispatchMode):
     def block_address(self, tensor: torch.Tensor) -> int | None:
         """The address of the modelled block that holds ``tensor``'s (first) storage, as
         :meth:`snapshot` lists it, or ``None`` where the tracker did not count that storage."""
+        _check_tensor(tensor)
         if self._pending:
             self._drain()
         storages: list[torch.UntypedStorage] = []
@@ -733,6 +743,8 @@ class TensorTracker(TorchDispatchMode):
         history = allocator.history
         self._categorise_known()
         if at == "peak":
+            if not history.recorded:  # nothing allocated since the history began: nothing at the peak
+                return dict.fromkeys(categories.CATEGORIES, 0)
             if history.recorded != len(history):
                 raise ValueError(
                     f"the peak needs the whole history, but the ring buffer (max_entries="
@@ -755,3 +767,8 @@ class TensorTracker(TorchDispatchMode):
     def devices(self) -> list[torch.device]:
         """The devices on which the tracker has seen storages (or was asked about), in order."""
         return list(self._allocators)
+
+
+def _check_tensor(tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__} {tensor!r:.80}")

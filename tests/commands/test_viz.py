@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -47,31 +48,61 @@ def test_viz_segments_defaults_to_the_snapshots_name(snapshot: tuple[Path, dict[
     assert "add_local_files(local_files, 'Allocator State History')" in html
 
 
-def test_viz_help_says_the_page_loads_pytorchs_viewer_from_the_web(capsys: Any) -> None:
+def test_viz_help_names_the_host_pytorchs_page_loads_its_viewer_from(capsys: Any) -> None:
+    from torch.cuda import _memory_viz
+
+    page = _memory_viz.trace_plot({"segments": [], "device_traces": [[]]})
+    (host,) = set(re.findall(r'from "https://([^/"]+)/', page))
+    assert host == "cdn.jsdelivr.net"  # torch 2.13: PyTorch's GitHub repository through jsDelivr
     with pytest.raises(SystemExit):
         main(["viz", "--help"])
-    assert "loads PyTorch's viewer script from the web" in " ".join(capsys.readouterr().out.split())
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"loads PyTorch's viewer script (MemoryViz.js) from the web, from {host}" in help_text
+    assert "pytorch.org" not in help_text
 
 
 @pytest.mark.parametrize(
     ("make", "args", "message"),
     [
         (None, ["missing.pickle"], "no such snapshot: '{tmp}/missing.pickle'"),
-        (b"not a pickle", ["bad.pickle"], "'{tmp}/bad.pickle' is not a memory snapshot pickle"),
+        (b"not a pickle", ["bad.pickle"], "snapshot '{tmp}/bad.pickle' is not a memory snapshot pickle"),
         (
             pickle.dumps({"segments": []}),
             ["bad.pickle"],
-            "'{tmp}/bad.pickle' is not a memory snapshot pickle",
+            "snapshot '{tmp}/bad.pickle' is not a memory snapshot pickle",
         ),
+        ("folder", ["dir.pickle"], "snapshot '{tmp}/dir.pickle' is a folder, not a snapshot pickle"),
         (None, ["x.pickle", "-o", "x.png"], "-o {tmp}/x.png: write to a file ending in .html, .htm"),
+        (
+            "folder",
+            ["x.pickle", "-o", "dir.html"],
+            "-o {tmp}/dir.html: is a folder; name a file to write in it",
+        ),
+        (None, ["x.pickle", "-o", "gone/x.html"], "-o {tmp}/gone/x.html: no such folder '{tmp}/gone'"),
     ],
 )
 def test_viz_errors_are_one_line(
-    tmp_path: Path, capsys: Any, make: bytes | None, args: list[str], message: str
+    tmp_path: Path, capsys: Any, make: bytes | str | None, args: list[str], message: str
 ) -> None:
-    if make is not None:
-        (tmp_path / args[0]).write_bytes(make)
-    assert main(["viz", *(str(tmp_path / a) if a.endswith((".pickle", ".png")) else a for a in args)]) == 2
+    made = args[-1] if make == "folder" else args[0]
+    if make == "folder":
+        (tmp_path / made).mkdir()
+    elif make is not None:
+        (tmp_path / made).write_bytes(make)
+    paths = [str(tmp_path / a) if a.endswith((".pickle", ".png", ".html")) else a for a in args]
+    assert main(["viz", *paths]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     expected = "memlab viz: error: " + message.format(tmp=tmp_path)
     assert line == expected or line.startswith(expected + " (write one with memlab run --snapshot FILE")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux): always full")
+def test_viz_says_in_one_line_when_the_page_cannot_be_written(
+    snapshot: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any
+) -> None:
+    path, _ = snapshot
+    (tmp_path / "full.html").symlink_to("/dev/full")  # a disk that is full when the page is written
+    assert main(["viz", str(path), "-o", str(tmp_path / "full.html")]) == 1
+    assert capsys.readouterr().err == (
+        f"memlab viz: could not write -o {tmp_path}/full.html: [Errno 28] No space left on device\n"
+    )

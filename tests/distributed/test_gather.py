@@ -113,7 +113,7 @@ def torch_empty(n: int):
 
 def test_a_bad_source_takes_part_in_the_gather_then_raises(one_rank):
     with pytest.raises(
-        TypeError, match=re.escape("gather() takes a memlab.LineProfiler, a memlab.TensorTracker or None")
+        TypeError, match=re.escape("source must be a memlab.LineProfiler, a memlab.TensorTracker or None")
     ):
         gather("profiler")
     # it took part in that collective: the next one pairs with the next call

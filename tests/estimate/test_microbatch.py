@@ -171,3 +171,22 @@ def test_bad_use_is_a_typed_error():
         wrapped(torch.ones(4))
     with pytest.raises(TypeError, match="was called without a tensor argument that has a dimension 0"):
         wrapped(3)
+
+
+@pytest.mark.parametrize("micro_batch", [None, 4])
+def test_an_empty_batch_gives_what_the_loss_function_gives_for_it(micro_batch):
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = torch.randn(9, 256), torch.randn(9, 10)
+
+    def loss_fn(x, y):
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    expected_loss, expected = full_batch_gradients(model, loss_fn, x[:0], y[:0])
+    assert expected_loss.isnan() and all(bool((g == 0).all()) for g in expected)  # a mean over nothing
+    wrapped = memlab.autobatch(loss_fn, micro_batch=micro_batch, budget="1 MiB")
+    loss = wrapped(x[:0], y[:0])
+    assert loss.isnan() and not loss.requires_grad
+    assert wrapped.micro_batch_size == 0 and wrapped.micro_batch_sizes == {}
+    for param, grad in zip(model.parameters(), expected, strict=True):
+        assert torch.equal(param.grad, grad)

@@ -150,6 +150,15 @@ def test_an_unknown_moment_is_a_value_error_naming_now_and_peak():
         TensorTracker(history=True).by_category(at="max")
 
 
+def test_a_tracker_that_allocated_nothing_has_nothing_at_its_peak():
+    with TensorTracker(history=True) as tracker:
+        pass
+    assert tracker.by_category(at="peak") == dict.fromkeys(CATEGORIES, 0)
+    estimate = memlab.estimate(lambda n: n * 2, 21)  # a step without tensors: its by_category peak too
+    assert estimate.by_category("peak") == dict.fromkeys(CATEGORIES, 0)
+    assert estimate.peak_reserved == 0
+
+
 def test_the_peak_needs_the_whole_history():
     with TensorTracker(history=3) as tracker:
         a, b, c = torch.ones(10), torch.ones(10), torch.ones(10)

@@ -116,6 +116,57 @@ def test_a_pickled_snapshot_plots_the_same_lines(tmp_path):
     assert lines(memlab.plot_memory(snapshot)) == lines(memlab.plot_memory(tracker))
 
 
+def test_the_path_of_a_snapshot_pickle_plots_the_same_lines(tmp_path):
+    tracker, _line = training_run()
+    memlab.dump_snapshot(tmp_path / "run.pickle", tracker)
+    expected = lines(memlab.plot_memory(tracker))
+    assert lines(memlab.plot_memory(tmp_path / "run.pickle")) == expected
+    assert lines(memlab.plot_memory(str(tmp_path / "run.pickle"), tmp_path / "run.png")) == expected
+    assert (tmp_path / "run.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (None, FileNotFoundError, "no such snapshot: '{path}'"),
+        (b"a,b\n1,2\n", ValueError, "source '{path}' is not a memory snapshot pickle (write one with memlab"),
+        (pickle.dumps([1, 2]), ValueError, "source '{path}' is not a memory snapshot pickle (write one with"),
+    ],
+)
+def test_a_path_that_holds_no_snapshot_is_named(tmp_path, make, error, message):
+    path = tmp_path / "run.pickle"
+    if make is not None:
+        path.write_bytes(make)
+    with pytest.raises(error) as raised:
+        memlab.plot_memory(path)
+    assert str(raised.value).startswith(message.format(path=path))
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "message"),
+    [
+        ("gone/run.png", ValueError, "path {tmp}/gone/run.png: no such folder '{tmp}/gone'"),
+        ("", ValueError, "path {tmp}: is a folder; name a file to write in it"),
+        (5, TypeError, "path must be a file path (a str or os.PathLike), got int 5"),
+    ],
+)
+def test_where_a_plot_goes_is_checked_before_it_is_drawn(tmp_path, monkeypatch, path, error, message):
+    tracker, _line = training_run()
+    drawn = []
+    monkeypatch.setattr("memlab.history.plot.memory_series", lambda *a: drawn.append(a))
+    target = path if isinstance(path, int) else str(tmp_path / path) if path else str(tmp_path)
+    with pytest.raises(error) as raised:
+        memlab.plot_memory(tracker, target)
+    assert str(raised.value) == message.format(tmp=tmp_path)
+    lp = memlab.LineProfiler(allocate_two)
+    with memlab.TensorTracker(allocator=None), lp:
+        allocate_two(10)
+    with pytest.raises(error) as raised:
+        lp.plot(path=target)
+    assert str(raised.value) == message.format(tmp=tmp_path)
+    assert drawn == []
+
+
 def test_the_peak_is_marked_with_the_file_and_line_that_allocated_it():
     tracker, line = training_run()
     (ax,) = memlab.plot_memory(tracker).axes
@@ -204,8 +255,12 @@ def test_a_tracker_without_history_is_a_value_error_that_says_how_to_record():
 
 
 def test_other_sources_are_a_type_error():
-    with pytest.raises(TypeError, match=r"TensorTracker .* or a memory snapshot dict .*; got list"):
+    with pytest.raises(TypeError) as raised:
         memlab.plot_memory([])
+    assert str(raised.value) == (
+        "source must be a memlab.TensorTracker (entered with history=True), a memory snapshot dict "
+        "(tracker.snapshot(), a loaded snapshot pickle) or the path of a snapshot pickle; got list []"
+    )
 
 
 def test_a_snapshot_with_several_traces_needs_a_device():

@@ -172,11 +172,82 @@ def test_a_line_profiler_session_explains_an_oom(capsys):
     )
 
 
-def test_explain_oom_checks_its_arguments():
-    with pytest.raises(TypeError, match="batch_dim must be an int dimension or None, got str"):
-        memlab.explain_oom(batch_dim="0")
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"batch_dim": "0"}, TypeError, "batch_dim must be an int dimension >= 0 or None, got str '0'"),
+        (
+            {"batch_dim": -1},
+            ValueError,
+            "batch_dim must be an int dimension >= 0 or None (0), got -1: the batch dimension is counted "
+            "from the front, as the same tensors may have different ranks",
+        ),
+        (
+            {"stream": 5},
+            TypeError,
+            "stream must be None or a text stream with a write() method (sys.stdout, an open file, "
+            "io.StringIO()), got int 5",
+        ),
+        (
+            {"snapshot_dir": 5},
+            TypeError,
+            "snapshot_dir must be None ($MEMLAB_OOM_DIR, else the temporary directory) or a folder path "
+            "(a str or os.PathLike), got int 5",
+        ),
+        ({"remedies": "no"}, TypeError, "remedies must be True or False, got str 'no'"),
+    ],
+)
+def test_explain_oom_checks_its_arguments_when_it_is_made(kwargs, error, message):
+    with pytest.raises(error) as raised:
+        memlab.explain_oom(**kwargs)
+    assert str(raised.value) == message
     with pytest.raises(TypeError, match="explain_oom takes a function to watch"):
         memlab.explain_oom(3)
+
+
+def test_a_missing_snapshot_dir_keeps_the_report_and_says_why_there_is_no_snapshot(tmp_path):
+    stream = io.StringIO()
+    missing = tmp_path / "missing"
+    watch = memlab.explain_oom(stream=stream, snapshot_dir=missing, remedies=False)
+    with pytest.raises(torch.OutOfMemoryError), watch, memlab.TensorTracker(capacity="10 MiB", history=True):
+        torch.empty(_floats(16))
+    code = test_a_missing_snapshot_dir_keeps_the_report_and_says_why_there_is_no_snapshot.__code__
+    failing = code.co_firstlineno + 5
+    assert stream.getvalue().splitlines() == [
+        f"memlab: out of memory (OutOfMemoryError) at {HERE}:{failing} in "
+        "test_a_missing_snapshot_dir_keeps_the_report_and_says_why_there_is_no_snapshot",
+        f"  {failing:>5} | torch.empty(_floats(16))",
+        "  requested 16.00M (block 16.00M, new segment 16.00M) on cpu, modelled CUDA caching allocator",
+        "  capacity 10.00M  reserved 0.00B  allocated 0.00B  free 10.00M",
+        "verdict: shortage: 10.00M free in all (10.00M on the device, 0.00B cached), less than the 16.00M "
+        "block requested",
+        f"snapshot: not written: no such folder '{missing}' (snapshot_dir)",
+    ]
+    assert (watch.report.snapshot_path, watch.report.snapshot_error) == (
+        None,
+        f"no such folder '{missing}' (snapshot_dir)",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+class _BrokenStream:
+    """A stream whose writes fail, as a closed file's do."""
+
+    def write(self, text):
+        raise ValueError("I/O operation on closed file.")
+
+    def flush(self):
+        pass
+
+
+def test_a_stream_that_fails_at_the_error_never_replaces_the_users_error(capsys):
+    watch = memlab.explain_oom(stream=_BrokenStream(), remedies=False)
+    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 16\.00 MiB"):
+        with watch, memlab.TensorTracker(capacity="10 MiB"):
+            torch.empty(_floats(16))
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "memlab: could not write to stream (ValueError: I/O operation on closed file.):"
+    assert err[1].startswith("memlab: out of memory (OutOfMemoryError) at ")
 
 
 def test_a_capture_that_fails_leaves_the_users_error_alone(monkeypatch):
