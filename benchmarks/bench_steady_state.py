@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_estimate import Transformer, train_step  # this folder is on sys.path when run as a script
 
 import memlab
 
@@ -55,18 +56,6 @@ def measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     return elapsed, peak[0] - start_rss, result
 
 
-class Transformer(torch.nn.Module):
-    def __init__(self, width: int = 256, layers: int = 4, vocab: int = 8192) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        layer = torch.nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=0.1, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(width, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(tokens)))
-
-
 def gpt2() -> torch.nn.Module | None:
     try:
         import transformers
@@ -82,15 +71,6 @@ def gpt2() -> torch.nn.Module | None:
             return self.model(tokens).logits
 
     return GPT2()
-
-
-def train_step(model, optimizer, inputs, targets):
-    optimizer.zero_grad()
-    out = model(inputs)
-    loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def compare(name: str, make: Callable[[], torch.nn.Module], vocab: int, batch: int, tokens: int) -> None:

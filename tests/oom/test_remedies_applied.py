@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import memlab
 from memlab.oom.postmortem import replay_peak, trace_events
 from memlab.oom.step import Accumulation
+from tests.oom.test_step import Net, train_step
 
 MIB = 1 << 20
 VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 512, 128, 4, 3, 64
@@ -147,34 +148,6 @@ def test_every_remedy_marked_fits_completes_two_steps_when_applied_right_after_t
         else:
             with pytest.raises(torch.OutOfMemoryError):
                 _apply(remedy, tracker, *live)
-
-
-class Linear(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(1024, 1024)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x))
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Linear() for _ in range(4))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def train_step(model, optimizer, x, y):
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
 
 
 def _pinned_failure(history: bool = True, remedies: bool = True):
