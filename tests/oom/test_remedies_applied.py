@@ -209,7 +209,7 @@ def test_without_history_the_report_shows_margins_and_says_why():
     assert lines[start + 1 :] == [
         "  micro-batches of 1706 (of 2048), 2 accumulation steps   122.00M  margin 6.00M",
         '  torch.autocast("cpu", torch.bfloat16) (bf16)            122.00M  margin 6.00M',
-        "  activation checkpointing of the 4 Linear blocks         122.00M  margin 6.00M",
+        "  activation checkpointing of the 4 Block blocks          122.00M  margin 6.00M",
         "  a margin is no promise: the state at the failure is unknown (no history), so estimated from an "
         "empty allocator",
     ]
