@@ -10,7 +10,6 @@ optimizer defaults CUDA parameters get.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,9 @@ from typing import Any
 
 import torch
 
+from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._tensors import check_optimizer
+from memlab.estimate import attention
 
 __all__ = ["DIFFERENCES", "CudaKernels", "Difference", "cuda_optimizer_defaults"]
 
@@ -47,13 +48,17 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         "scaled_dot_product_attention",
         True,
-        "CUDA picks flash attention (float16/bfloat16, no mask) or memory-efficient attention (also "
-        "float32, masks), which keep the output and a float32 log-sum-exp for backward; the CPU path "
-        "(math with dropout, or CPU flash) keeps other tensors, the math path the full attention matrix "
-        "several times. memlab follows CUDA's choice for an sm80 GPU (A100) and its fallback to math",
-        "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: select_sdp_backend, can_use_flash_attention, "
+        "CUDA picks, by the GPU's compute capability, cuDNN attention (sm90/sm100 with cuDNN newer than "
+        "9.15, float16/bfloat16, head dims multiples of 8 up to 128, dropout a multiple of 1/16; keeps "
+        "its output and float32 softmax statistics), flash attention (sm80 to sm121, float16/bfloat16, "
+        "no mask; keeps its output and a float32 log-sum-exp), memory-efficient attention (sm50 and "
+        "newer, also float32 and masks; keeps its output, a float32 log-sum-exp padded to 32 queries and "
+        "an additive mask made of a bool one) or the math path; the CPU path (math with dropout, or CPU "
+        "flash) keeps other tensors, the math path the full attention matrix several times",
+        "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: select_sdp_backend, priority_order, "
+        "check_prefer_cudnn_attention, can_use_cudnn_attention, can_use_flash_attention, "
         "can_use_mem_efficient_attention; aten/src/ATen/native/transformers/attention.cpp: "
-        "scaled_dot_product_attention",
+        "scaled_dot_product_attention, convert_boolean_attn_mask_cudnn, preprocess_mask",
     ),
     Difference(
         "optimizer_foreach",
@@ -101,7 +106,6 @@ _FUSED_CELLS = {"lstm_cell": "aten._thnn_fused_lstm_cell", "gru_cell": "aten._th
 # The autograd keys of the devices a data-free run uses: fake CPU tensors and ``meta`` tensors.
 # A kernel there runs before the backend's composite kernel, for calls from Python and C++ alike.
 _KEYS = ("AutogradCPU", "AutogradMeta")
-_FLASH_MAX_HEAD_DIM = 256  # sdp_utils.cpp: check_head_dim_size_flash
 _active: list[CudaKernels] = []
 
 
@@ -115,73 +119,6 @@ def _is_data_free(*tensors: torch.Tensor | None) -> bool:
 def _first_op(name: str) -> Any:
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
-
-
-def _cuda_sdp_backend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-) -> str:
-    """The backend CUDA's ``select_sdp_backend`` picks on an sm80 GPU for dense inputs:
-    ``"flash"``, ``"efficient"``, ``"math"`` or ``"error"`` (none enabled fits)."""
-    backends = torch.backends.cuda
-    enabled = {
-        "flash": backends.flash_sdp_enabled(),
-        "efficient": backends.mem_efficient_sdp_enabled(),
-        "math": backends.math_sdp_enabled(),
-    }
-    # torch._C._get_sdp_priority_order(): at::SDPBackend values, [flash, efficient, math, cudnn, ...]
-    # by default; cuDNN comes first only on sm90/sm100 (check_prefer_cudnn_attention), not on sm80.
-    names = {0: "math", 1: "flash", 2: "efficient"}
-    for code in torch._C._get_sdp_priority_order():
-        name = names.get(code)
-        if name is None or not enabled[name]:
-            continue
-        if name == "math" or _fits(name, query, key, value, attn_mask, is_causal):
-            return name
-    return "error"
-
-
-def _fits(
-    backend: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-) -> bool:
-    """Whether the fused ``backend`` ("flash" or "efficient") accepts these inputs on sm80
-    (sdp_utils.cpp: can_use_flash_attention, can_use_mem_efficient_attention)."""
-    tensors = (query, key, value)
-    if any(t.dim() != 4 or t.is_nested for t in tensors):  # check_tensor_shapes
-        return False
-    if not (query.size(0) == key.size(0) == value.size(0)):  # check_batch_size_and_num_heads_dense
-        return False
-    if query.size(-2) == 0 or key.size(-2) == 0:  # check_nonzero_sequence_lengths_dense
-        return False
-    head, key_head, value_head = query.size(-1), key.size(-1), value.size(-1)
-    if backend == "flash":
-        return (
-            attn_mask is None  # check_for_attn_mask
-            and head == key_head == value_head <= _FLASH_MAX_HEAD_DIM  # check_head_dim_size_flash
-            and not (is_causal and query.size(-2) != key.size(-2))  # check_flash_causal_non_square_seqlens
-            and query.dtype in (torch.float16, torch.bfloat16)  # check_dtypes_flash_attention
-            and all(t.stride(-1) == 1 or t.size(-1) == 1 for t in tensors)  # last-dim stride, singletons ok
-        )
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    alignment = 8 if half else 4  # minimum_gemm_alignment on sm80: max(4, 128 / bits per element)
-    return (
-        head == key_head
-        and head > 0
-        and value_head > 0
-        and head % alignment == 0
-        and value_head % alignment == 0  # check_head_dim_size_mem_efficient
-        and all(t.numel() == 0 or t.storage_offset() % alignment == 0 for t in tensors)  # data_ptr alignment
-        and all(t.stride(-1) == 1 for t in tensors)  # check_last_dim_stride_equals_1_dense
-        and query.dtype in (torch.float16, torch.float32, torch.bfloat16)
-    )
 
 
 class CudaKernels:
@@ -212,16 +149,26 @@ class CudaKernels:
     entered: other threads' CPU ops meet the same kernels. Under ``torch.inference_mode`` autograd
     keys are skipped and the CPU path runs. Only one ``CudaKernels`` can be entered at a time.
 
-    What it cannot see: cuBLAS/cuDNN workspaces, the choice of cuDNN attention on sm90 and newer
-    GPUs with recent cuDNN (an sm80 GPU is assumed), and that CUDA keeps the two 8-byte philox seed
-    and offset tensors of memory-efficient attention in host memory (the run counts them on the
-    device: two 512 B blocks per attention call, kept for backward).
+    ``gpu``: the GPU whose choices to follow (a name, a compute capability, a
+    :class:`memlab._gpus.GPU`; ``None``: the GPU in use, else :data:`memlab._gpus.DEFAULT_GPU`).
+    Attention picks its kernel by the GPU's compute capability (:mod:`memlab.estimate.attention`:
+    cuDNN attention first on sm90/sm100 for float16/bfloat16, flash on sm80 and newer, memory-
+    efficient, math), with the cuDNN version of :data:`~memlab.estimate.attention.ASSUMED_CUDNN_VERSION`
+    where PyTorch has no cuDNN to ask.
+
+    What it cannot see: cuBLAS/cuDNN workspaces; that CUDA keeps the two 8-byte philox seed and
+    offset tensors of memory-efficient attention in host memory (the run counts them on the device:
+    two 512 B blocks per attention call, kept for backward); that cuDNN attention without gradients
+    allocates no softmax statistics (the meta kernel does: freed at once, a transient
+    B x H x L x 4 bytes); the scratch buffers of the attention kernels themselves.
     """
 
-    def __init__(self, data_free: bool = True) -> None:
+    def __init__(self, data_free: bool = True, gpu: GpuLike | None = None) -> None:
         if not isinstance(data_free, bool):
             raise TypeError(f"data_free must be True or False, got {type(data_free).__name__} {data_free!r}")
         self.data_free = data_free
+        #: The GPU whose kernel choices the run follows (:func:`memlab._gpus.resolve_gpu` of ``gpu``).
+        self.gpu: GPU = resolve_gpu(gpu)
         #: Name of each handled difference -> how many calls were substituted.
         self.substituted: dict[str, int] = {}
         #: One sentence per unhandled difference hit (or handled one not applied), in order first hit.
@@ -314,61 +261,26 @@ class CudaKernels:
                 "tensors."
             )
             return composite()
-        backend = _cuda_sdp_backend(query, key, value, attn_mask, is_causal)
+        backend = attention.select_backend(
+            query, key, value, attn_mask, dropout_p, is_causal, capability=self.gpu.capability
+        )
         if backend == "error":
             return composite()
-        kernel = {
-            "flash": "aten._scaled_dot_product_flash_attention",
-            "efficient": "aten._scaled_dot_product_efficient_attention",
-            "math": "aten._scaled_dot_product_attention_math",
+        kept = {
+            "cudnn": "its output and float32 softmax statistics",
+            "flash": "its output and a float32 log-sum-exp",
+            "efficient": "its output and a float32 log-sum-exp",
+            "math": "the math path's tensors",
         }[backend]
         what = (
-            f"aten.scaled_dot_product_attention ({query.dtype}, head dim {query.size(-1)}) on CUDA runs "
-            f"{kernel}, which keeps "
-            + ("its output and a float32 log-sum-exp" if backend != "math" else "the math path's tensors")
-            + " for backward"
+            f"aten.scaled_dot_product_attention ({query.dtype}, head dim {query.size(-1)}) on "
+            f"{self.gpu.name} ({self.gpu.sm}) runs {attention.BACKEND_OPS[backend]}, which keeps {kept} "
+            "for backward"
         )
         if not self._can_substitute(what, query, key, value, attn_mask):
             return composite()
         self._count("scaled_dot_product_attention")
-        if backend == "flash":
-            return self._flash(query, key, value, dropout_p, is_causal, scale)
-        if backend == "efficient":
-            # attention.cpp: the efficient op takes the mask as given (it handles a bool mask).
-            compute_log_sumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            return torch.ops.aten._scaled_dot_product_efficient_attention.default(
-                query, key, value, attn_mask, compute_log_sumexp, dropout_p, is_causal, scale=scale
-            )[0]
-        if (
-            attn_mask is not None and attn_mask.dtype is torch.bool
-        ):  # attention.cpp: convert_boolean_attn_mask
-            zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
-            attn_mask = torch.where(attn_mask.logical_not(), -math.inf, zero)
-        return torch.ops.aten._scaled_dot_product_attention_math.default(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-        )[0]
-
-    @staticmethod
-    def _flash(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        dropout_p: float,
-        is_causal: bool,
-        scale: float | None,
-    ) -> torch.Tensor:
-        # attention.cpp: pad the head dim to a multiple of 8 (pad_last_dim<8>), scale by the original
-        # head dim, then cut the output back (post_process_flash_output).
-        head = query.size(-1)
-        pad = -head % 8
-        if pad:
-            query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
-        if scale is None:
-            scale = 1.0 / math.sqrt(head)
-        out = torch.ops.aten._scaled_dot_product_flash_attention.default(
-            query, key, value, dropout_p, is_causal, False, scale=scale
-        )[0]
-        return out[..., :head] if pad else out
+        return attention.run_backend(backend, query, key, value, attn_mask, dropout_p, is_causal, scale)
 
     # -- recurrent layers -------------------------------------------------------------------
     def _recurrent_kernel(self, name: str) -> Callable[..., Any]:

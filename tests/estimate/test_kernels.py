@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memlab
-from memlab.estimate.kernels import DIFFERENCES, CudaKernels, _cuda_sdp_backend, cuda_optimizer_defaults
+from memlab.estimate.kernels import DIFFERENCES, CudaKernels, cuda_optimizer_defaults
 
 BLOCK = 512  # the CUDA caching allocator's rounding
 
@@ -125,41 +125,16 @@ def test_dropout_outside_the_fused_kernel_is_left_alone():
     assert kernels.substituted == {}
 
 
-# -- attention ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("dtype", "head", "mask", "causal_lengths", "expected"),
-    [
-        (torch.float32, 8, False, None, "efficient"),  # flash needs float16/bfloat16
-        (torch.float16, 8, False, None, "flash"),
-        (torch.bfloat16, 6, False, None, "flash"),  # flash pads the head dim to 8
-        (torch.float16, 8, True, None, "efficient"),  # flash takes no mask
-        (torch.float16, 8, False, (4, 6), "efficient"),  # flash: causal needs square lengths
-        (torch.float16, 512, False, None, "efficient"),  # flash: head dim <= 256
-        (torch.float32, 6, False, None, "math"),  # efficient: head dim % 4 for float32
-        (torch.float16, 12, True, None, "math"),  # efficient: head dim % 8 for float16
-        (torch.float64, 8, False, None, "math"),
-    ],
-)
-def test_attention_backend_follows_sdp_utils(dtype, head, mask, causal_lengths, expected):
-    lq, lk = causal_lengths or (4, 4)
-    q, k = meta(2, 2, lq, head, dtype=dtype), meta(2, 2, lk, head, dtype=dtype)
-    attn_mask = meta(lq, lk, dtype=torch.bool) if mask else None
-    assert _cuda_sdp_backend(q, k, k, attn_mask, causal_lengths is not None) == expected
-
-
-def test_attention_backend_respects_disabled_kernels():
-    q = meta(2, 2, 4, 8, dtype=torch.float16)
-    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
-        assert _cuda_sdp_backend(q, q, q, None, False) == "math"
-
-
-def attention_activation(dtype: torch.dtype, head: int, cuda: bool = True) -> tuple[int, CudaKernels]:
+# -- attention (the choice per GPU: test_attention.py) ----------------------------------------------
+def attention_activation(
+    dtype: torch.dtype, head: int, cuda: bool = True, gpu: str = "A100"
+) -> tuple[int, CudaKernels]:
     """Activation bytes of self-attention on fake CPU tensors (2 x 2 heads x 40 x head)."""
     gc.collect()
     fake = FakeTensorMode()
     with fake:
         q = torch.empty(2, 2, 40, head, dtype=dtype, requires_grad=True)
-    kernels = CudaKernels()
+    kernels = CudaKernels(gpu=gpu)
     with fake, memlab.TensorTracker(history=True) as tracker, kernels if cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q, q, q)
         activation = tracker.by_category()["activation"]
@@ -174,8 +149,16 @@ def test_flash_attention_keeps_output_and_log_sum_exp():
     assert activation == 2560 + 1024 + 512 + 512
 
 
+def test_cudnn_attention_keeps_output_and_softmax_statistics():
+    activation, kernels = attention_activation(torch.float16, 8, gpu="H100")
+    assert kernels.gpu.sm == "sm90"
+    assert kernels.substituted == {"scaled_dot_product_attention": 1}
+    # output 2,560 B + statistics 2*2*40*1 float32 (640 B) + seed 8 B + offset 8 B
+    assert activation == 2560 + 1024 + 512 + 512
+
+
 def test_flash_attention_pads_the_head_dim_to_8():
-    activation, kernels = attention_activation(torch.float16, 6)
+    activation, kernels = attention_activation(torch.float16, 6, gpu="H100")  # cuDNN needs head % 8
     assert kernels.substituted == {"scaled_dot_product_attention": 1}
     # the padded query/key/value (3 x 2*2*40*8 float16) are kept, then the output and log-sum-exp
     assert activation == 3 * 2560 + 2560 + 1024 + 512 + 512
@@ -223,13 +206,13 @@ def real_step(kernels: CudaKernels | None) -> tuple[torch.Tensor, list[torch.Ten
 
 def test_real_run_keeps_values_and_names_skipped_substitutions():
     out, grads = real_step(None)
-    kernels = CudaKernels(data_free=False)
+    kernels = CudaKernels(data_free=False, gpu="H100")
     kernel_out, kernel_grads = real_step(kernels)
     assert torch.equal(out, kernel_out)
     assert all(torch.equal(a, b) for a, b in zip(grads, kernel_grads, strict=True))
     assert kernels.substituted == {}
     assert kernels.caveats == [
-        "aten.scaled_dot_product_attention (torch.float32, head dim 8) on CUDA runs "
+        "aten.scaled_dot_product_attention (torch.float32, head dim 8) on H100 (sm90) runs "
         "aten._scaled_dot_product_efficient_attention, which keeps its output and a float32 log-sum-exp "
         "for backward; not substituted because values matter (data_free=False), so this run kept the "
         "CPU kernels' tensors.",
@@ -351,12 +334,15 @@ def test_differences_table():
 @pytest.mark.parametrize(
     ("dtype", "kept"),
     [
-        (torch.float32, 5120 + 1024 + 512 + 512),  # efficient: output, log-sum-exp, seed, offset
+        # efficient (attention.cpp): the additive float32 mask made of the bool one (40*40*4 B; its
+        # strides are multiples of 8, so preprocess_mask only expands it), output, log-sum-exp, seed,
+        # offset
+        (torch.float32, 6656 + 5120 + 1024 + 512 + 512),
         (torch.float64, 2 * 10240 + 51200),  # math: scaled query and key, softmax output
     ],
 )
 def test_attention_with_a_bool_mask(dtype, kept):
-    # efficient attention takes the bool mask as it is; the math path turns it into -inf/0 first
+    # both paths turn the bool mask into an additive one (-inf where masked); efficient keeps it
     q = meta(2, 2, 40, 8, dtype=dtype, grad=True)
     mask = meta(40, 40, dtype=torch.bool)
     with memlab.TensorTracker(history=True) as tracker, CudaKernels() as kernels:
@@ -365,3 +351,11 @@ def test_attention_with_a_bool_mask(dtype, kept):
     assert kernels.substituted == {"scaled_dot_product_attention": 1}
     assert out.shape == q.shape
     assert activation == kept
+
+
+def test_gpu_is_resolved_and_checked():
+    assert CudaKernels(gpu="sm80").gpu.name == "A100"
+    assert CudaKernels(gpu=(9, 0)).gpu.name == "H100"
+    assert CudaKernels().gpu.name == "H100"  # no CUDA here: DEFAULT_GPU
+    with pytest.raises(ValueError, match="gpu 'Z80' is not a GPU memlab knows; valid: a GPU name"):
+        CudaKernels(gpu="Z80")

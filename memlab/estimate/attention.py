@@ -1,0 +1,414 @@
+"""Which kernel ``scaled_dot_product_attention`` runs on a target GPU, and the tensors it keeps.
+
+:func:`select_backend` follows ``select_sdp_backend`` of
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` for a GPU of a given compute capability;
+:func:`run_backend` then calls the chosen kernel as ``scaled_dot_product_attention`` in
+``aten/src/ATen/native/transformers/attention.cpp`` does: PyTorch's own CUDA-side ops, whose meta
+kernels run on fake and ``meta`` tensors, so a tracker counts what they allocate.
+
+The rules were read from pytorch/pytorch's ``sdp_utils.cpp`` at commit 001f694 (the stored version
+nearest to the installed torch 2.13; it is a little newer: its dense checks take a ``supports_mqa``
+template argument that 2.13's ``sdp_utils_cpp.h`` lacks, which matters only for multi-query
+attention, left to the CPU path here), the shared checks from the installed 2.13
+``ATen/native/transformers/sdp_utils_cpp.h`` and the default order from its ``ATen/Context.h``.
+cuDNN's version decides part of the choice and is unknown without a CUDA build of PyTorch:
+:data:`ASSUMED_CUDNN_VERSION` and :data:`ASSUMED_CUDA_MAJOR` stand in for it (see there).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+__all__ = [
+    "ASSUMED_CUDA_MAJOR",
+    "ASSUMED_CUDNN_VERSION",
+    "BACKEND_OPS",
+    "cudnn_version",
+    "prefers_cudnn",
+    "priority_order",
+    "run_backend",
+    "select_backend",
+]
+
+#: The cuDNN version assumed where PyTorch has no cuDNN to ask (a CPU-only build), encoded as
+#: ``cudnnGetVersion`` does (major * 10000 + minor * 100 + patch): 9.15.1. sdp_utils.cpp puts
+#: cuDNN attention first on sm90/sm100 only above 9.15.0 (``check_prefer_cudnn_attention``: "cuDNN
+#: 9.15.1 required for seq_len not divisible by 128 fix, CUDA <= 12.9 wheels ship with older
+#: cuDNN"), so this is the oldest cuDNN with which an H100 picks cuDNN attention, as recent wheels
+#: do; with it, cuDNN takes head dims up to 128 (192 for query/key with 128 for value on sm90/sm10x),
+#: not the 256 of cuDNN newer than 9.22 built with cudnn-frontend 1.24.
+ASSUMED_CUDNN_VERSION = 91501
+#: The CUDA major version assumed likewise: 13, the CUDA of the wheels that carry such a cuDNN.
+#: Under CUDA 12 sdp_utils.cpp prefers cuDNN only on minor versions 0 and 3 (sm90, sm100, sm103).
+ASSUMED_CUDA_MAJOR = 13
+
+# at::SDPBackend values, as torch._C._get_sdp_priority_order() reports them.
+_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+_DEFAULT_ORDER = [1, 2, 0, 3, 4]  # ATen/Context.h: sdp_priority_order
+_CUDNN_FIRST = [3, 1, 2, 0, 4]  # sdp_utils.cpp: priority_order, when check_prefer_cudnn_attention()
+_HALF = (torch.float16, torch.bfloat16)
+_FRONTEND_SUPPORTS_D256 = False  # sdp_utils.cpp: kCuDNNFrontendSupportsD256 (cudnn-frontend >= 1.24)
+
+#: The aten op each backend runs.
+BACKEND_OPS = {
+    "cudnn": "aten._scaled_dot_product_cudnn_attention",
+    "flash": "aten._scaled_dot_product_flash_attention",
+    "efficient": "aten._scaled_dot_product_efficient_attention",
+    "math": "aten._scaled_dot_product_attention_math",
+}
+
+
+def cudnn_version() -> int:
+    """The cuDNN version sdp_utils.cpp reads (``versionRuntimeCuDNN``): the loaded cuDNN's where
+    this PyTorch has one, else :data:`ASSUMED_CUDNN_VERSION`."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return version or ASSUMED_CUDNN_VERSION
+
+
+def _cuda_major() -> int:
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else ASSUMED_CUDA_MAJOR
+
+
+def prefers_cudnn(capability: tuple[int, int]) -> bool:
+    """Whether PyTorch puts cuDNN attention first on a GPU of this compute capability
+    (sdp_utils.cpp: ``check_prefer_cudnn_attention``): not with ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``;
+    cuDNN newer than 9.15.0; sm9x or sm10x, under CUDA 12 only sm90, sm100 and sm103."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":  # c10::utils::check_env: "1" only
+        return False
+    major, minor = capability
+    if cudnn_version() <= 91500 or major not in (9, 10):
+        return False
+    return _cuda_major() >= 13 or minor in (0, 3)
+
+
+def priority_order(capability: tuple[int, int]) -> list[str]:
+    """The backends in the order ``select_sdp_backend`` tries them on this GPU: the order set with
+    ``torch.nn.attention.sdpa_kernel(..., set_priority=True)`` if the user changed it, else the
+    default (flash, efficient, math, cudnn), with cuDNN first where :func:`prefers_cudnn`."""
+    order = list(torch._C._get_sdp_priority_order())
+    if order == _DEFAULT_ORDER and prefers_cudnn(capability):
+        order = _CUDNN_FIRST
+    return [_NAMES[code] for code in order]
+
+
+def _between(capability: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
+    return low <= capability <= high  # sdp_utils.cpp: check_sm_version, bounds included
+
+
+def _requires_grad(*tensors: torch.Tensor) -> bool:
+    # sdp_utils_cpp.h: input_requires_grad
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _dense_common(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    ignore_singleton_dim: bool,
+) -> bool:
+    """The dense checks every fused backend runs (sdp_utils_cpp.h): non-zero sequence lengths,
+    last-dim stride 1 (the mask's too on a GPU), same batch size and heads (grouped-query
+    attention never reaches here: the caller keeps it on the CPU path)."""
+    if query.size(-2) == 0 or key.size(-2) == 0:  # check_nonzero_sequence_lengths_dense
+        return False
+    strides = all(t.stride(-1) == 1 for t in (query, key, value))  # check_last_dim_stride_equals_1_dense
+    if ignore_singleton_dim:
+        strides = strides or query.size(-1) == 1
+    if not strides or (attn_mask is not None and attn_mask.stride(-1) != 1):
+        return False
+    # check_batch_size_and_num_heads_dense
+    return query.size(0) == key.size(0) == value.size(0) and query.size(1) == key.size(1) == value.size(1)
+
+
+def _can_use_cudnn(
+    capability: tuple[int, int],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+) -> bool:
+    """sdp_utils.cpp: ``can_use_cudnn_attention`` for dense inputs, with :func:`cudnn_version`."""
+    version = cudnn_version()
+    if dropout_p > 0.0 and 91100 < version < 91400:  # "does not support dropout in SDPA (9.11 - 9.13)"
+        return False
+    if not torch.backends.cuda.cudnn_sdp_enabled():  # check_runtime_disabled_cudnn
+        return False
+    if torch.are_deterministic_algorithms_enabled() and not (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    ):  # check_cudnn_deterministic
+        return False
+    if query.dtype not in _HALF or not query.dtype == key.dtype == value.dtype:  # check_dtypes_low_precision
+        return False
+    if not _mask_shape_fits(query, key, attn_mask):  # check_attn_mask_shape
+        return False
+    if not _between(capability, (8, 0), (12, 1)):  # check_cudnn_hardware_support
+        return False
+    if dropout_p * 16.0 != math.floor(dropout_p * 16.0):  # check_cudnn_dropout: multiples of 1/16
+        return False
+    if not _dense_common(query, key, value, attn_mask, ignore_singleton_dim=True):
+        return False
+    return _cudnn_shapes_fit(capability, query, key, value, dropout_p, version)
+
+
+def _mask_shape_fits(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """sdp_utils_cpp.h: ``check_attn_mask_shape``: a mask that does not require grad, 2-D
+    (L or 1, S or 1) or 4-D (B or 1, H or 1, L or 1, S or 1)."""
+    if attn_mask is None:
+        return True
+    if attn_mask.requires_grad:
+        return False
+
+    def fits(size: int, target: int) -> bool:
+        return size in (target, 1)
+
+    if not (fits(attn_mask.size(-2), query.size(2)) and fits(attn_mask.size(-1), key.size(2))):
+        return False
+    if attn_mask.dim() == 2:
+        return True
+    return (
+        attn_mask.dim() == 4
+        and fits(attn_mask.size(0), query.size(0))
+        and fits(attn_mask.size(1), query.size(1))
+    )
+
+
+def _cudnn_shapes_fit(
+    capability: tuple[int, int],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    version: int,
+) -> bool:
+    """sdp_utils.cpp: ``check_cudnn_tensor_shapes`` and ``check_cudnn_d256_bprop_head_dim``."""
+    batch, heads, s_q, d_qk = query.shape
+    s_k, d_v = key.size(2), value.size(3)
+    if batch > 65535 or heads > 65535 or version < 8903 or (version < 8906 and dropout_p != 0.0):
+        return False
+    major, minor = capability
+    sm90_or_sm10x = (major == 9 and minor == 0) or major == 10
+    unsupported_sm107 = major == 10 and minor == 7 and version <= 92500
+    supports_d256 = sm90_or_sm10x and not unsupported_sm107 and version > 92200 and _FRONTEND_SUPPORTS_D256
+    limit = 128
+    if supports_d256:
+        limit = 256
+    elif sm90_or_sm10x and version >= 91100 and (d_qk, d_v) == (192, 128):
+        limit = 192
+    if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
+        return False
+    if version < 8906 and s_k % 64:
+        return False
+    if version < 90000 and (s_q < 64 or (dropout_p != 0.0 and (s_q % 64 or s_k % 64))):
+        return False
+    if s_k == 1 or (dropout_p != 0.0 and s_q == 1):
+        return False
+    if supports_d256 and _requires_grad(query, key, value):  # check_cudnn_d256_bprop_head_dim
+        return (d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))
+    return True
+
+
+def _can_use_flash(
+    capability: tuple[int, int],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+) -> bool:
+    """sdp_utils.cpp: ``can_use_flash_attention`` for dense inputs."""
+    head = query.size(-1)
+    if not torch.backends.cuda.flash_sdp_enabled() or attn_mask is not None:  # check_for_attn_mask
+        return False
+    if not head == key.size(-1) == value.size(-1) or head > 256:  # check_head_dim_size_flash
+        return False
+    if not _between(capability, (8, 0), (12, 1)):  # check_flash_attention_hardware_support
+        return False
+    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: backward fails there
+    narrow = _between(capability, (8, 6), (8, 9)) or _between(capability, (12, 0), (12, 1))
+    if (
+        narrow
+        and _requires_grad(query, key, value)
+        and not (head <= 192 or (dropout_p == 0.0 and head > 224))
+    ):
+        return False
+    if is_causal and query.size(-2) != key.size(-2):  # check_flash_causal_non_square_seqlens
+        return False
+    dtypes = _HALF if capability[0] >= 8 else (torch.float16,)  # check_dtypes_flash_attention
+    if query.dtype not in dtypes or not query.dtype == key.dtype == value.dtype:
+        return False
+    return _dense_common(query, key, value, None, ignore_singleton_dim=True)
+
+
+def _gemm_alignment(capability: tuple[int, int], dtype: torch.dtype) -> int:
+    """sdp_utils.cpp: ``minimum_gemm_alignment`` (with ``use_tensor_cores``), in elements."""
+    half = dtype in _HALF
+    tensor_cores = capability[0] >= 8 or (capability[0] >= 7 and half)
+    alignment = 4 if capability[0] >= 8 else 1
+    return max(alignment, 128 // (16 if half else 32)) if tensor_cores else alignment
+
+
+def _can_use_efficient(
+    capability: tuple[int, int],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+) -> bool:
+    """sdp_utils.cpp: ``can_use_mem_efficient_attention`` for dense inputs."""
+    if not torch.backends.cuda.mem_efficient_sdp_enabled():
+        return False
+    if not _between(capability, (5, 0), (12, 1)):  # check_mem_efficient_hardware_support
+        return False
+    alignment = _gemm_alignment(capability, query.dtype)
+    head, value_head = query.size(-1), value.size(-1)
+    if not (head == key.size(-1) and head > 0 and value_head > 0):  # check_head_dim_size_mem_efficient
+        return False
+    if head % alignment or value_head % alignment:
+        return False
+    if capability[0] >= 8:  # check_data_ptr_alignment_mem_efficient: storage offsets, in elements here
+        if any(t.numel() and t.storage_offset() % alignment for t in (query, key, value)):
+            return False
+    if not _dense_common(query, key, value, attn_mask, ignore_singleton_dim=False):
+        return False
+    dtypes = (
+        (torch.float16, torch.float32, torch.bfloat16)
+        if capability[0] >= 8
+        else (torch.float16, torch.float32)
+    )
+    return query.dtype in dtypes and query.dtype == key.dtype == value.dtype
+
+
+def select_backend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    capability: tuple[int, int],
+) -> str:
+    """The backend ``select_sdp_backend`` picks for these dense inputs on a GPU of compute
+    ``capability``: ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``, or ``"error"`` when no
+    enabled backend fits (PyTorch raises "No available kernel"). Reads the backends enabled with
+    ``torch.backends.cuda`` / ``torch.nn.attention.sdpa_kernel`` and the priority order as PyTorch
+    does; inputs that are not 4-D, nested, or of grouped-query attention (heads differ) never get a
+    fused backend here."""
+    backends = torch.backends.cuda
+    enabled = (
+        backends.math_sdp_enabled(),
+        backends.flash_sdp_enabled(),
+        backends.mem_efficient_sdp_enabled(),
+        backends.cudnn_sdp_enabled(),
+    )
+    if not any(enabled):
+        return "error"
+    fused = all(t.dim() == 4 and not t.is_nested for t in (query, key, value))  # check_tensor_shapes
+    for backend in priority_order(capability):
+        if backend == "math" and backends.math_sdp_enabled():
+            return "math"
+        if not fused:
+            continue
+        if backend == "cudnn" and _can_use_cudnn(capability, query, key, value, attn_mask, dropout_p):
+            return "cudnn"
+        if backend == "flash" and _can_use_flash(
+            capability, query, key, value, attn_mask, dropout_p, is_causal
+        ):
+            return "flash"
+        if backend == "efficient" and _can_use_efficient(capability, query, key, value, attn_mask):
+            return "efficient"
+    return "error"
+
+
+def _boolean_to_additive(
+    attn_mask: torch.Tensor | None, dtype: torch.dtype, fill: float
+) -> torch.Tensor | None:
+    """attention.cpp: ``convert_boolean_attn_mask`` (``fill`` -inf) and its cuDNN variant
+    ``convert_boolean_attn_mask_cudnn`` (``fill`` -65504): a bool mask becomes an additive one of
+    the query's dtype; other masks pass through."""
+    if attn_mask is None or attn_mask.dtype is not torch.bool:
+        return attn_mask
+    if math.isinf(fill):
+        zero = torch.scalar_tensor(0.0, dtype=dtype, device=attn_mask.device)
+        return torch.where(attn_mask.logical_not(), fill, zero)
+    # The cuDNN variant's zero is a host scalar (no device given), which a GPU does not allocate.
+    return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
+        attn_mask.logical_not(), fill
+    )
+
+
+def _preprocess_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """attention.cpp: ``preprocess_mask``: pad the last dim when a stride is not a multiple of 8
+    (``aligned_tensor<8>``; ``pad_bias<8>`` pads by 8 - size % 8, then slices back), then expand
+    to (B, H, L, S)."""
+    aligned = all(mask.stride(i) % 8 == 0 for i in range(mask.dim() - 1)) and mask.stride(-1) == 1
+    if not aligned:
+        size = mask.size(-1)
+        mask = torch.nn.functional.pad(mask, (0, 8 - size % 8))[..., :size]
+    return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+
+
+def run_backend(
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """Run ``backend`` (from :func:`select_backend`, not ``"error"``) as attention.cpp's
+    ``scaled_dot_product_attention`` runs it on CUDA, and return the output. What each keeps for
+    backward: cuDNN its output, float32 softmax statistics (B, H, L, 1), the philox seed and offset
+    (two 8-byte device tensors) and the additive mask it made of a bool one; flash its output, a
+    float32 log-sum-exp (B, H, L), an rng state (2 x uint64) and an unused uint64, and the
+    query/key/value padded to a head dim that is a multiple of 8; memory-efficient its output, a
+    float32 log-sum-exp padded to a multiple of 32 queries, seed and offset, and the (padded)
+    additive mask; math the scaled query and key and the softmax output."""
+    requires_grad = _requires_grad(query, key, value)  # attention.cpp: should_compute_logsumexp
+    if backend == "cudnn":
+        mask = _boolean_to_additive(attn_mask, query.dtype, -65504.0)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention.default(
+            query, key, value, mask, requires_grad, dropout_p, is_causal, False, scale=scale
+        )[0]
+    if backend == "flash":
+        return _flash(query, key, value, dropout_p, is_causal, scale)
+    mask = _boolean_to_additive(attn_mask, query.dtype, -math.inf)
+    if backend == "efficient":
+        if mask is not None:
+            mask = _preprocess_mask(mask, query, key)
+        return torch.ops.aten._scaled_dot_product_efficient_attention.default(
+            query, key, value, mask, requires_grad, dropout_p, is_causal, scale=scale
+        )[0]
+    return torch.ops.aten._scaled_dot_product_attention_math.default(
+        query, key, value, mask, dropout_p, is_causal, None, scale=scale
+    )[0]
+
+
+def _flash(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    # attention.cpp: pad the head dim to a multiple of 8 (pad_last_dim<8>), scale by the original
+    # head dim, then cut the output back (post_process_flash_output).
+    head = query.size(-1)
+    pad = -head % 8
+    if pad:
+        query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+    if scale is None:
+        scale = 1.0 / math.sqrt(head)
+    out = torch.ops.aten._scaled_dot_product_flash_attention.default(
+        query, key, value, dropout_p, is_causal, False, scale=scale
+    )[0]
+    return out[..., :head] if pad else out

@@ -1,0 +1,260 @@
+"""The attention kernel for a target GPU: sdp_utils.cpp's choice, and its saved tensors byte for byte."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import memlab
+from memlab._gpus import GPUS
+from memlab.estimate import attention
+from memlab.estimate.attention import prefers_cudnn, priority_order, select_backend
+from memlab.estimate.kernels import CudaKernels
+
+BLOCK = 512  # the CUDA caching allocator's rounding
+SM80, SM86, SM89, SM90, SM100 = (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)
+
+
+def blocks(nbytes: int) -> int:
+    return math.ceil(nbytes / BLOCK) * BLOCK
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.bfloat16, grad: bool = False) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+def choose(
+    capability: tuple[int, int],
+    dtype: torch.dtype = torch.bfloat16,
+    head: int = 64,
+    value_head: int | None = None,
+    lengths: tuple[int, int] = (128, 128),
+    mask: tuple[int, ...] | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    grad: bool = False,
+) -> str:
+    lq, lk = lengths
+    q, k = meta(2, 4, lq, head, dtype=dtype, grad=grad), meta(2, 4, lk, head, dtype=dtype, grad=grad)
+    v = meta(2, 4, lk, value_head or head, dtype=dtype, grad=grad)
+    attn_mask = meta(*mask, dtype=torch.bool) if mask else None
+    return select_backend(q, k, v, attn_mask, dropout_p, is_causal, capability=capability)
+
+
+# -- the choice ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("capability", "kwargs", "expected"),
+    [
+        # sm80 (A100): the default order, flash, efficient, math, cuDNN (ATen/Context.h)
+        (SM80, {}, "flash"),
+        (SM80, {"dtype": torch.float32}, "efficient"),  # check_dtypes_flash_attention
+        (SM80, {"head": 6}, "flash"),  # flash pads the head dim to 8
+        (SM80, {"mask": (128, 128)}, "efficient"),  # check_for_attn_mask
+        (SM80, {"lengths": (64, 128), "is_causal": True}, "efficient"),  # causal needs square lengths
+        (SM80, {"head": 512}, "efficient"),  # check_head_dim_size_flash: <= 256
+        (SM80, {"dtype": torch.float32, "head": 6}, "math"),  # efficient: head dim % 4 for float32
+        (SM80, {"head": 12, "mask": (128, 128)}, "math"),  # efficient: head dim % 8 for bfloat16
+        (SM80, {"dtype": torch.float64}, "math"),
+        # sm90 (H100) with cuDNN > 9.15.0: cuDNN first (check_prefer_cudnn_attention)
+        (SM90, {}, "cudnn"),
+        (SM90, {"dtype": torch.float16, "mask": (128, 128)}, "cudnn"),  # a 2-D mask fits cuDNN
+        (SM90, {"mask": (2, 128, 128)}, "efficient"),  # check_attn_mask_shape: 2-D or 4-D only
+        (SM90, {"dtype": torch.float32}, "efficient"),  # check_dtypes_low_precision
+        (SM90, {"head": 6}, "flash"),  # check_cudnn_tensor_shapes: head dim % 8
+        (SM90, {"head": 160}, "flash"),  # head dim <= 128 with this cuDNN
+        (SM90, {"head": 192, "value_head": 128}, "cudnn"),  # ... but 192/128 on sm90 (cuDNN >= 9.11)
+        (SM80, {"head": 192, "value_head": 128}, "efficient"),  # flash needs equal head dims
+        (SM90, {"dropout_p": 0.1}, "flash"),  # check_cudnn_dropout: multiples of 1/16
+        (SM90, {"dropout_p": 0.125}, "cudnn"),
+        (SM90, {"lengths": (128, 1)}, "flash"),  # cuDNN: key length 1
+        (SM90, {"lengths": (1, 128), "dropout_p": 0.125}, "flash"),  # cuDNN: query length 1 with dropout
+        (SM100, {}, "cudnn"),  # B200
+        # sm86/sm89: flash's backward fails for head dims in (192, 224] (and above with dropout)
+        (SM89, {"head": 224, "grad": True}, "efficient"),
+        (SM89, {"head": 224}, "flash"),  # no gradient, no backward
+        (SM86, {"head": 256, "grad": True}, "flash"),
+        (SM86, {"head": 256, "grad": True, "dropout_p": 0.1}, "efficient"),
+        # before sm80 (V100, T4): no flash, no cuDNN; efficient without bfloat16
+        ((7, 0), {"dtype": torch.float16}, "efficient"),
+        ((7, 5), {}, "math"),
+        ((7, 0), {"dtype": torch.float32, "head": 6}, "efficient"),  # alignment 1 without tensor cores
+    ],
+)
+def test_backend_follows_sdp_utils(capability, kwargs, expected):
+    assert choose(capability, **kwargs) == expected
+
+
+def test_cudnn_is_refused_under_deterministic_algorithms():
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert choose(SM90) == "flash"  # check_cudnn_deterministic
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert choose(SM90) == "cudnn"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_disabled_backends_are_skipped():
+    SDPBackend = torch.nn.attention.SDPBackend
+    with torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        assert choose(SM90) == "flash"
+        assert choose(SM90, dtype=torch.float32) == "math"
+    with torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert choose(SM80, dtype=torch.float64) == "error"  # PyTorch: "No available kernel"
+
+
+def test_priority_order_prefers_cudnn_only_where_sdp_utils_does():
+    assert priority_order(SM80) == ["flash", "efficient", "math", "cudnn", "overrideable"]
+    assert priority_order(SM90) == ["cudnn", "flash", "efficient", "math", "overrideable"]
+    assert [prefers_cudnn(gpu.capability) for gpu in GPUS.values()] == [
+        gpu.capability[0] in (9, 10) for gpu in GPUS.values()
+    ]
+
+
+def test_a_priority_order_the_user_set_is_kept():
+    SDPBackend = torch.nn.attention.SDPBackend
+    order = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    with torch.nn.attention.sdpa_kernel(order, set_priority=True):
+        assert priority_order(SM90)[:3] == ["efficient", "cudnn", "math"]
+        assert choose(SM90) == "efficient"
+
+
+def test_cudnn_preference_follows_the_cudnn_and_cuda_versions(monkeypatch):
+    monkeypatch.setattr(attention, "ASSUMED_CUDNN_VERSION", 91500)  # 9.15.0: not newer than 9.15.0
+    assert not prefers_cudnn(SM90)
+    assert choose(SM90) == "flash"
+    monkeypatch.setattr(attention, "ASSUMED_CUDNN_VERSION", 91501)
+    assert prefers_cudnn((10, 1))
+    monkeypatch.setattr(attention, "ASSUMED_CUDA_MAJOR", 12)  # CUDA 12: minor 0 or 3 only
+    assert [prefers_cudnn(c) for c in [(9, 0), (10, 0), (10, 1), (10, 3), (12, 0)]] == [
+        True,
+        True,
+        False,
+        True,
+        False,
+    ]
+
+
+def test_cudnn_can_be_deprioritized_by_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert choose(SM90) == "flash"
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "true")  # c10::utils::check_env reads "1" only
+    assert choose(SM90) == "cudnn"
+
+
+# -- acceptance: the saved tensors of the chosen backend, byte for byte --------------------------
+B, H, L, D = 2, 4, 100, 64
+
+
+def run_attention(gpu: str, masked: bool) -> tuple[str, dict[str, tuple], int]:
+    """Self-attention in bfloat16 on fake CPU tensors under CudaKernels(gpu=...): the backward
+    node's name, its saved tensors (shape, dtype, storage bytes) and the activation bytes."""
+    gc.collect()
+    fake = FakeTensorMode()
+    with fake:
+        q, k, v = (torch.empty(B, H, L, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        mask = torch.ones(L, L, dtype=torch.bool) if masked else None
+    with fake, memlab.TensorTracker(history=True) as tracker, CudaKernels(gpu=gpu) as kernels:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        activation = tracker.by_category()["activation"]
+    assert kernels.substituted == {"scaled_dot_product_attention": 1}
+    node = out.grad_fn
+    saved = {
+        name.removeprefix("_saved_"): (tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+        for name in dir(node)
+        if name.startswith("_saved_") and isinstance(t := getattr(node, name), torch.Tensor)
+    }
+    return type(node).__name__, saved, activation
+
+
+def described(**tensors: torch.Tensor) -> dict[str, tuple]:
+    return {name: (tuple(t.shape), t.dtype, t.untyped_storage().nbytes()) for name, t in tensors.items()}
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    q = meta(B, H, L, D, grad=True)
+    return {"query": q, "key": q.clone(), "value": q.clone()}
+
+
+def test_sm80_bfloat16_keeps_what_flash_attention_keeps():
+    node, saved, activation = run_attention("A100", masked=False)
+    assert node == "ScaledDotProductFlashAttentionBackward0"
+    # sdp_utils.cpp on sm80: flash first (Context.h's order); attention.cpp calls it with no padding
+    # (head dim 64) and the scale 1/sqrt(64). Its CUDA-side op on meta gives what it keeps:
+    qkv = inputs()
+    out, lse, _, _, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        *qkv.values(), 0.0, False, False, scale=0.125
+    )
+    expected = described(**qkv, output=out, logsumexp=lse, rng_state=rng_state, unused=unused)
+    assert saved == expected
+    assert saved["logsumexp"] == ((B, H, L), torch.float32, B * H * L * 4)
+    assert activation == sum(blocks(t.untyped_storage().nbytes()) for t in (out, lse, rng_state, unused))
+    assert activation == 102400 + 3584 + 512 + 512
+
+
+def test_sm90_bfloat16_keeps_what_cudnn_attention_keeps():
+    node, saved, activation = run_attention("H100", masked=False)
+    assert node == "ScaledDotProductCudnnAttentionBackward0"
+    # sdp_utils.cpp on sm90 with cuDNN > 9.15.0: cuDNN first; attention.cpp computes the log-sum-exp
+    # (softmax statistics) because the inputs require grad.
+    qkv = inputs()
+    out, stats, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        *qkv.values(), None, True, 0.0, False, False
+    )
+    expected = described(**qkv, output=out, logsumexp=stats, philox_seed=seed, philox_offset=offset)
+    assert saved == expected
+    assert saved["logsumexp"] == ((B, H, L, 1), torch.float32, B * H * L * 4)
+    assert activation == sum(blocks(t.untyped_storage().nbytes()) for t in (out, stats, seed, offset))
+    assert activation == 102400 + 3584 + 512 + 512
+
+
+def test_sm80_bfloat16_with_a_bool_mask_keeps_what_efficient_attention_keeps():
+    node, saved, activation = run_attention("A100", masked=True)
+    assert node == "ScaledDotProductEfficientAttentionBackward0"
+    # attention.cpp: convert_boolean_attn_mask makes a bfloat16 additive mask; preprocess_mask pads
+    # its last dim (stride 100 is not a multiple of 8) to 104 and expands it to (B, H, L, L).
+    additive = torch.zeros(L, L + 4, dtype=torch.bfloat16, device="meta")[:, :L].expand(B, H, L, L)
+    qkv = inputs()
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        *qkv.values(), additive, True, 0.0, False
+    )
+    expected = described(
+        **qkv, attn_bias=additive, output=out, log_sumexp=lse, philox_seed=seed, philox_offset=offset
+    )
+    assert saved == expected
+    assert saved["log_sumexp"] == ((B, H, 128), torch.float32, B * H * 128 * 4)  # padded to 32 queries
+    kept = (additive, out, lse, seed, offset)
+    assert activation == sum(blocks(t.untyped_storage().nbytes()) for t in kept)
+    assert activation == 20992 + 102400 + 4096 + 512 + 512
+
+
+def test_sm90_bfloat16_with_a_bool_mask_keeps_what_cudnn_attention_keeps():
+    node, saved, activation = run_attention("H100", masked=True)
+    assert node == "ScaledDotProductCudnnAttentionBackward0"
+    # attention.cpp: convert_boolean_attn_mask_cudnn makes a bfloat16 mask (-65504 where masked).
+    additive = torch.zeros(L, L, dtype=torch.bfloat16, device="meta")
+    qkv = inputs()
+    out, stats, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        *qkv.values(), additive, True, 0.0, False, False
+    )
+    expected = described(
+        **qkv, attn_bias=additive, output=out, logsumexp=stats, philox_seed=seed, philox_offset=offset
+    )
+    assert saved == expected
+    kept = (additive, out, stats, seed, offset)
+    assert activation == sum(blocks(t.untyped_storage().nbytes()) for t in kept)
+    assert activation == 20480 + 102400 + 3584 + 512 + 512
+
+
+def test_cudnn_attention_backward_runs_on_fake_tensors():
+    fake = FakeTensorMode()
+    with fake:
+        q = torch.empty(B, H, L, D, dtype=torch.bfloat16, requires_grad=True)
+    with fake, CudaKernels(gpu="H100"):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert q.grad.shape == q.shape and q.grad.dtype == torch.bfloat16
