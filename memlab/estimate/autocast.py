@@ -146,7 +146,12 @@ class _Signature:
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []
-        self.map(args, kwargs, lambda t: found.append(t) or t)
+
+        def collect(tensor: torch.Tensor) -> torch.Tensor:
+            found.append(tensor)
+            return tensor
+
+        self.map(args, kwargs, collect)
         return found
 
     def map(
