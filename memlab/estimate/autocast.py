@@ -24,6 +24,7 @@ tensors (they check ``tensor.is_cuda()``, and a fake CUDA tensor needs a CUDA de
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -75,7 +76,8 @@ _PROMOTE = (  # AT_FORALL_PROMOTE
 #: autocast dtype), ``fp32`` (inputs cast to float32), ``fp32_set_opt_dtype`` (output dtype set to
 #: float32 unless given), ``fp32_append_dtype`` (redispatched to the overload with a dtype, float32),
 #: ``promote`` (inputs cast to the widest floating type among them), ``banned``
-#: (``binary_cross_entropy``: an error under autocast).
+#: (``binary_cross_entropy``: an error under autocast). Not here: ``_cudnn_rnn``, which CUDA builds
+#: alone register (``aten/src/ATen/cudnn/AutocastRNN.cpp``); LSTM/GRU layers keep the CPU path.
 CUDA_AUTOCAST_OPS: dict[str, str] = {
     **dict.fromkeys(_LOWER_PRECISION_FP, "lower_precision_fp"),
     **dict.fromkeys(_FP32, "fp32"),
@@ -192,9 +194,9 @@ class CudaAutocast(AutocastWatch):
     before entering is not seen. Inside a modelled region ``torch.is_autocast_enabled("cpu")`` is
     True (the CPU state carries the CUDA one) and a ``torch.autocast("cpu")`` region there acts on
     the run's tensors, which stand for CUDA ones. ``torch.utils.checkpoint`` recomputes under the
-    CPU state, as it sees CPU tensors: modelled regions carry over. Process-wide while entered: the
-    kernels are registered for every thread's CPU autocast, and ``torch.autocast`` and
-    ``torch.clear_autocast_cache`` are wrapped.
+    CPU state, as it sees CPU tensors: modelled regions carry over. Process-wide while entered: CPU
+    autocast's kernels are replaced for every thread (a real CPU autocast region elsewhere casts
+    nothing meanwhile), and ``torch.autocast`` and ``torch.clear_autocast_cache`` are wrapped.
     """
 
     def __init__(self, data_free: bool, caveat: Callable[[str], None], count: Callable[[str], None]) -> None:
@@ -236,8 +238,6 @@ class CudaAutocast(AutocastWatch):
             self._library = None
 
     def _register(self) -> None:
-        import warnings
-
         library = torch.library.Library("aten", "IMPL")
         try:
             with warnings.catch_warnings():

@@ -61,11 +61,11 @@ class CudaGradScalers:
         self._originals = {name: cls.__dict__[name] for name in names}
         for name in names:
             if name == "__init__":
-                setattr(cls, name, self._init())
+                setattr(cls, name, self._wrapped_init())
             elif name == "_maybe_opt_step":
                 setattr(cls, name, _assume_finite(self._originals[name]))
             else:
-                setattr(cls, name, self._entry_point(name))
+                setattr(cls, name, self._wrapped_entry_point(name))
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -75,7 +75,7 @@ class CudaGradScalers:
         self._twins.clear()
 
     # -- wrappers ---------------------------------------------------------------------------
-    def _init(self) -> Callable[..., None]:
+    def _wrapped_init(self) -> Callable[..., None]:
         original = self._originals["__init__"]
         asked = self._asked
         data_free = self.data_free
@@ -94,7 +94,7 @@ class CudaGradScalers:
 
         return __init__
 
-    def _entry_point(self, name: str) -> Callable[..., Any]:
+    def _wrapped_entry_point(self, name: str) -> Callable[..., Any]:
         original = self._originals[name]
         resolve = self._resolve
 
