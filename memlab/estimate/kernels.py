@@ -10,7 +10,6 @@ optimizer defaults CUDA parameters get.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,8 @@ import torch
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._tensors import check_optimizer
 from memlab.estimate import attention
+from memlab.estimate.autocast import CudaAutocast
+from memlab.estimate.grad_scaler import CudaGradScalers
 
 __all__ = ["DIFFERENCES", "CudaKernels", "Difference", "cuda_optimizer_defaults"]
 
@@ -80,12 +81,33 @@ DIFFERENCES: tuple[Difference, ...] = (
     ),
     Difference(
         "autocast",
-        False,
-        "torch.autocast('cuda') casts by CUDA's op lists (float16 by default), which differ from the CPU "
-        "lists; without CUDA, PyTorch disables a CUDA autocast region, so the run computes in the "
-        "inputs' dtype",
-        "aten/src/ATen/autocast_mode.cpp: the AutocastCUDA and AutocastCPU lists; "
-        "torch/amp/autocast_mode.py: autocast.__init__",
+        True,
+        "inside torch.autocast('cuda', dtype) CUDA casts each op's inputs by its op lists "
+        "(memlab.estimate.autocast.CUDA_AUTOCAST_OPS: matmuls, linear layers and convolutions in dtype; "
+        "softmax, norms, sums and losses in float32; promote ops to the widest input type) and keeps the "
+        "dtype copy of each weight until the outermost region exits; PyTorch without CUDA disables the "
+        "region, so a run here computes in the inputs' dtype",
+        "aten/src/ATen/autocast_mode.cpp: cached_cast, TORCH_LIBRARY_IMPL(aten, AutocastCUDA); "
+        "aten/src/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, "
+        "AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, WrapFunction_; "
+        "torch/amp/autocast_mode.py: autocast.__init__, __enter__, __exit__",
+    ),
+    Difference(
+        "softmax_half_to_float",
+        True,
+        "softmax and log_softmax of a CUDA float16 input with dtype=float32 (what autocast's float32 "
+        "policy asks) run the half-to-float kernel, which writes the float32 output without a float32 "
+        "copy of the input; the CPU path copies the input to float32 first",
+        "aten/src/ATen/native/SoftMax.cpp: softmax, log_softmax",
+    ),
+    Difference(
+        "grad_scaler",
+        True,
+        "an enabled GradScaler('cuda') allocates its scale and growth tracker at the first scale(), the "
+        "scaled output, and in unscale_ the inverse scale (a temporary) and a found-inf flag per device, "
+        "kept until update(); PyTorch without CUDA disables the scaler, so a run here allocates none",
+        "torch/amp/grad_scaler.py: GradScaler.__init__, _lazy_init_scale_growth_tracker, scale, unscale_, "
+        "_unscale_grads_, _MultiDeviceReplicator.get, update",
     ),
 )
 
@@ -144,8 +166,7 @@ class CudaKernels:
 
     How: the kernels are registered, for the run, at the ``AutogradCPU`` and ``AutogradMeta``
     dispatch keys of ``aten::dropout``, ``aten::scaled_dot_product_attention`` and the recurrent ops
-    (so they see calls from Python and from C++ composites alike), and ``torch.autocast``'s
-    ``__init__``/``__enter__`` are wrapped to see CUDA autocast regions. Both are process-wide while
+    (so they see calls from Python and from C++ composites alike). They are process-wide while
     entered: other threads' CPU ops meet the same kernels. Under ``torch.inference_mode`` autograd
     keys are skipped and the CPU path runs. Only one ``CudaKernels`` can be entered at a time.
 
@@ -155,6 +176,13 @@ class CudaKernels:
     cuDNN attention first on sm90/sm100 for float16/bfloat16, flash on sm80 and newer, memory-
     efficient, math), with the cuDNN version of :data:`~memlab.estimate.attention.ASSUMED_CUDNN_VERSION`
     where PyTorch has no cuDNN to ask.
+
+    Mixed precision: inside ``torch.autocast("cuda", dtype)`` a data-free run casts as CUDA's
+    autocast does (:class:`memlab.estimate.autocast.CudaAutocast`: CUDA's op lists, the weight-cast
+    cache, nesting, ``enabled=False``), and a ``GradScaler("cuda")`` behaves as an enabled one
+    (:class:`memlab.estimate.grad_scaler.CudaGradScalers`), though PyTorch without CUDA disables
+    both; ``substituted`` counts the regions (``autocast``) and scalers (``grad_scaler``) modelled.
+    With ``data_free=False`` both run as PyTorch runs them here (disabled) and ``caveats`` says so.
 
     What it cannot see: cuBLAS/cuDNN workspaces; that CUDA keeps the two 8-byte philox seed and
     offset tensors of memory-efficient attention in host memory (the run counts them on the device:
@@ -174,10 +202,7 @@ class CudaKernels:
         #: One sentence per unhandled difference hit (or handled one not applied), in order first hit.
         self.caveats: list[str] = []
         self._library: Any = None
-        self._autocast: tuple[Callable[..., Any], Callable[..., Any]] | None = None
-        self._autocast_requests: weakref.WeakKeyDictionary[Any, tuple[bool, Any]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._amp: list[Any] = []  # CudaAutocast and CudaGradScalers, while entered
 
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> CudaKernels:
@@ -194,13 +219,24 @@ class CudaKernels:
             library._destroy()
             raise
         self._library = library
-        self._wrap_autocast()
+        try:
+            for amp in (
+                CudaAutocast(self.data_free, self._caveat, self._count),
+                CudaGradScalers(self.data_free, self._caveat, self._count),
+            ):
+                amp.__enter__()
+                self._amp.append(amp)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         _active.append(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        _active.remove(self)
-        self._unwrap_autocast()
+        if self in _active:
+            _active.remove(self)
+        while self._amp:
+            self._amp.pop().__exit__(*exc_info)
         library, self._library = self._library, None
         library._destroy()
 
@@ -306,44 +342,6 @@ class CudaKernels:
             return op.decompose(*args, **kwargs)
 
         return kernel
-
-    # -- autocast ---------------------------------------------------------------------------
-    def _wrap_autocast(self) -> None:
-        autocast = torch.amp.autocast_mode.autocast
-        original_init, original_enter = autocast.__init__, autocast.__enter__
-        requests = self._autocast_requests
-
-        def __init__(
-            instance: Any,
-            device_type: str,
-            dtype: Any = None,
-            enabled: bool = True,
-            cache_enabled: Any = None,
-        ) -> None:
-            original_init(instance, device_type, dtype, enabled, cache_enabled)
-            requests[instance] = (enabled, dtype)
-
-        def __enter__(instance: Any) -> Any:
-            enabled, dtype = requests.get(instance, (True, None))
-            if instance.device == "cuda" and enabled and not instance._enabled:
-                dtype = dtype or torch.float16
-                self._caveat(
-                    f"torch.autocast('cuda', dtype={dtype}) was entered: PyTorch without CUDA disables it, "
-                    f"so this run computed in the inputs' dtype; on CUDA, autocast "
-                    f"(aten/src/ATen/autocast_mode.cpp) runs matmuls, convolutions and linear layers in "
-                    f"{dtype} and keeps float32 for softmax, norms and losses, which changes the size of "
-                    "their outputs and saved activations; not modelled."
-                )
-            return original_enter(instance)
-
-        autocast.__init__, autocast.__enter__ = __init__, __enter__  # type: ignore[method-assign]
-        self._autocast = (original_init, original_enter)
-
-    def _unwrap_autocast(self) -> None:
-        if self._autocast is not None:
-            autocast = torch.amp.autocast_mode.autocast
-            autocast.__init__, autocast.__enter__ = self._autocast  # type: ignore[method-assign]
-            self._autocast = None
 
 
 def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:

@@ -115,6 +115,9 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
             f"; no tensor was made on {device}, so every byte column is 0: the tensors were on "
             f"{', '.join(map(str, elsewhere))} (measure {elsewhere[0]} to see them)"
         )
+    autocast = source.disabled_cuda_autocast.describe()
+    if autocast:
+        text += f"; {autocast}"
     names = list(source.threads_not_counted.values())
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _push_mode
 
+from memlab._autocast import DisabledCudaRegions, unwatch, watch
 from memlab._devices import resolve_device
 from memlab._tensors import call_roots, check_optimizer, live_storages, storages_of
 from memlab._units import parse_size
@@ -226,6 +227,8 @@ class TensorTracker(TorchDispatchMode):
         #: whose ops it does not count, by thread ident (see the class docstring).
         self.threads_not_counted: dict[int, str] = {}
         self._left_behind = False  # exited out of order, still on torch's mode stack
+        #: The ``torch.autocast("cuda")`` regions that ran disabled here (PyTorch without CUDA).
+        self.disabled_cuda_autocast = DisabledCudaRegions(self.counts_this_thread)
         if model is not None:
             self.add_model(model)
         if optimizer is not None:
@@ -250,6 +253,7 @@ class TensorTracker(TorchDispatchMode):
         if first:
             self.threads_not_counted.update(unreachable_threads(self._inherited))
             self._stop_following = follow_new_threads(self._enter_new_thread)
+            watch(self.disabled_cuda_autocast)
         self.threads_not_counted.pop(threading.get_ident(), None)
         if self.adopt_on_enter and not self.adoptions:
             self.adopt()
@@ -282,6 +286,7 @@ class TensorTracker(TorchDispatchMode):
         if last:
             self._stop_following()
             self._stop_following = None
+            unwatch(self.disabled_cuda_autocast)
             self._categorising = False
             while self._hooks:
                 self._hooks.pop().remove()
