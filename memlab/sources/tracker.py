@@ -31,6 +31,7 @@ from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import Stack, capture_stack, is_own_code, make_history
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
+from memlab.sources.resizes import follow_resizes, resizable_arguments, sizes_before
 from memlab.sources.threads import follow_new_threads, unreachable_threads
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
@@ -72,14 +73,16 @@ class _StorageRef(weakref.ref):
 class _OpKind:
     """What an op's schema says about its outputs, computed once per op."""
 
-    __slots__ = ("aliases", "fresh", "resize", "writes")
+    __slots__ = ("aliases", "fresh", "grows", "resizes_storage", "writes")
 
     def __init__(self, func: Any) -> None:
         infos = [ret.alias_info for ret in func._schema.returns]
         self.aliases = any(info is not None for info in infos)
         self.writes = any(info is not None and info.is_write for info in infos)
         self.fresh = func in _FRESH_ALIASES
-        self.resize = func is torch.ops.aten.resize_.default
+        self.grows = resizable_arguments(func)  # arguments whose storages it may grow (resize_, out=)
+        # resizes its first argument's storage in place and returns nothing (FSDP under torch.compile)
+        self.resizes_storage = func._schema.name == "inductor::resize_storage_bytes_"
 
 
 def _collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:
@@ -128,7 +131,12 @@ class TensorTracker(TorchDispatchMode):
     aten op on any device (``cpu``, ``meta``, ``cuda``) is counted once, on the device it lives on;
     views and in-place results of existing storages count zero times; storages that existed before
     the tracker was entered are "pre-existing" and never counted, not even when freed. Releases are
-    seen through weak references, also after the ``with`` block ends.
+    seen through weak references, also after the ``with`` block ends. Resizes are allocations, as
+    the CUDA allocator sees them: ``UntypedStorage.resize_`` (FSDP frees and re-gathers parameters
+    with it; it bypasses the dispatcher, so the tracker wraps that method while it is active:
+    :mod:`memlab.sources.resizes`) to 0 bytes frees the storage's block, to any other size
+    allocates a new block before freeing the old one; ops that grow a storage (``resize_``,
+    ``out=``) do the same. A pre-existing storage counts from the resize that gives it a new block.
 
     ``allocator="cuda"`` (default) replays the events through :class:`CachingAllocatorModel`, so
     statistics are those the CUDA caching allocator would report (512 B rounding, 2 MiB / 20 MiB
@@ -162,9 +170,11 @@ class TensorTracker(TorchDispatchMode):
     Activations of other threads are not categorised in the history.
 
     What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
-    single op, the CUDA context, NCCL buffers, memory allocated outside PyTorch's dispatcher
-    (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), ``torch.cuda.empty_cache()``
-    calls in the measured code, and backend choices that differ by device (e.g. attention kernels).
+    single op, the CUDA context, NCCL buffers and what collectives allocate in C++ (gloo's
+    reduce-scatter copies its input), memory allocated outside PyTorch's dispatcher
+    (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), storages resized while it is
+    not active or by C++ code, ``torch.cuda.empty_cache()`` calls in the measured code, and backend
+    choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
 
     Trackers nest (the innermost one is :func:`active_tracker`). One exited before a mode entered
@@ -223,6 +233,7 @@ class TensorTracker(TorchDispatchMode):
         self._inherited: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._lock = threading.RLock()  # the counting state, shared by every thread that counts
         self._stop_following: Any = None
+        self._stop_resizes: Any = None
         #: Names of the threads (not daemons) that were running when the tracker became active and
         #: whose ops it does not count, by thread ident (see the class docstring).
         self.threads_not_counted: dict[int, str] = {}
@@ -253,6 +264,7 @@ class TensorTracker(TorchDispatchMode):
         if first:
             self.threads_not_counted.update(unreachable_threads(self._inherited))
             self._stop_following = follow_new_threads(self._enter_new_thread)
+            self._stop_resizes = follow_resizes(self._storage_resized)
             watch(self.disabled_cuda_autocast)
         self.threads_not_counted.pop(threading.get_ident(), None)
         if self.adopt_on_enter and not self.adoptions:
@@ -285,7 +297,8 @@ class TensorTracker(TorchDispatchMode):
             last = self._entries == 0
         if last:
             self._stop_following()
-            self._stop_following = None
+            self._stop_resizes()
+            self._stop_following = self._stop_resizes = None
             unwatch(self.disabled_cuda_autocast)
             self._categorising = False
             while self._hooks:
@@ -443,15 +456,18 @@ class TensorTracker(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _OpKind(func)
+        before = sizes_before(kind.grows, args, kwargs, _collect_storages) if kind.grows else None
         out = func(*args, **(kwargs or {}))
         if not self._entries or self._left_behind:
             return out  # exited (out of order, or before a thread it was inherited by ends): never count
         with self._lock:  # threads run ops at once; the counting state is one
             if self._pending:
                 self._drain()
-            kind = self._kinds.get(func)
-            if kind is None:
-                kind = self._kinds[func] = _OpKind(func)
+            if kind.resizes_storage:
+                self._count_resize(args[0].untyped_storage())
             outputs: list[torch.UntypedStorage] = []
             _collect_storages(out, outputs)
             inputs: set[int] | None = None
@@ -464,8 +480,8 @@ class TensorTracker(TorchDispatchMode):
                 elif kind.fresh:
                     self._track(storage)
                 elif kind.aliases:
-                    if kind.resize:
-                        self._track(storage)  # a pre-existing storage grown here: the growth is new
+                    if before and before.get(id(storage), storage.nbytes()) < storage.nbytes():
+                        self._track(storage)  # a storage not counted, grown here: its new block is new
                 else:
                     # Some ops alias an input without saying so in their schema (_unsafe_view):
                     # a storage that came in is never new.
@@ -603,8 +619,29 @@ class TensorTracker(TorchDispatchMode):
         ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
         self._live[ref.key] = ref
 
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was just resized (:mod:`memlab.sources.resizes`), in any thread: count it
+        where this thread's ops reach the tracker (it is on the thread's dispatch mode stack, as
+        in autograd's own threads, not only in those that entered it)."""
+        if not self._entries or self._left_behind:
+            return
+        if any(mode is self for mode in _get_current_dispatch_mode_stack()):
+            self._count_resize(storage)
+
+    def _count_resize(self, storage: torch.UntypedStorage) -> None:
+        """Count the resize of ``storage`` as the allocator sees it: a new block, the old one freed."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            ref = self._live.get(id(storage))
+            if ref is not None:
+                self._resize(ref, storage)
+            elif storage.nbytes():
+                self._track(storage)  # a storage not counted, given a new block here: that block is new
+
     def _resize(self, ref: _StorageRef, storage: torch.UntypedStorage) -> None:
-        # The CUDA allocator grows a storage by allocating the new block, copying, then freeing.
+        # resize_bytes_cuda: to 0 bytes it frees the block; to any other size it allocates the new
+        # block, copies, then frees the old one (both are held for a moment).
         nbytes = storage.nbytes()
         try:
             handle = ref.allocator.malloc(nbytes) if nbytes else None
