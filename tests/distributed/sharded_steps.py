@@ -1,0 +1,98 @@
+"""What each rank runs in the sharded-training tests (imported by the spawned processes): two
+training steps of a small MLP under FSDP2 (``fully_shard``), then two under DDP, each inside a
+memlab ``TensorTracker(allocator=None)`` and PyTorch's ``MemTracker`` at once."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import memlab
+
+CPU = torch.device("cpu")
+
+
+class InPlaceReduceScatter:
+    """FSDP2's reduce-scatter as NCCL does it, in place: all-reduce FSDP's own reduce-scatter
+    input, then copy this rank's chunk out. gloo's own reduce-scatter clones its input in C++
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), below every dispatch mode: no tracker
+    sees that clone allocated, ``MemTracker`` counts it from the moment a view of it shows up in
+    ``Work.wait()``, and when it is freed races with gloo's worker thread (``MemTracker`` alone
+    then reads different peaks on identical runs). The duck type of FSDP2's ``ReduceScatter``."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+
+def fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer).set_custom_reduce_scatter(InPlaceReduceScatter())
+    return fully_shard(model)
+
+
+def ddp(model: torch.nn.Module) -> torch.nn.Module:
+    # 30 KiB buckets: the 64 KiB weights get one each, the biases share one
+    return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=30 / 1024)
+
+
+def measure(wrap: Any) -> dict[str, int]:
+    """Build, wrap and train for two steps inside both trackers: peaks and what is allocated after."""
+    with memlab.TensorTracker(allocator=None) as tracker:
+        memtracker = MemTracker()  # made inside: it wraps UntypedStorage.resize_ as the tracker left it
+        with memtracker:
+            model = wrap(make_model())
+            optimizer = torch.optim.Adam(model.parameters())
+            for _ in range(2):
+                model(torch.randn(32, 64)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                memtracker.reset_mod_stats()  # MemTracker refuses a module's second forward otherwise
+            now = memtracker.get_tracker_snapshot("current")[CPU]["Total"]
+            allocated = tracker.memory_allocated()
+    return {
+        "peak": tracker.max_memory_allocated(),
+        "memtracker_peak": memtracker.get_tracker_snapshot("peak")[CPU]["Total"],
+        "allocated": allocated,
+        "memtracker_allocated": now,
+    }
+
+
+def run_rank(rank: int, world: int, out: str) -> None:
+    """Measure an FSDP2 then a DDP training step on this rank; write ``out``/rank{rank}.json."""
+    store = f"file://{os.path.join(out, 'store')}"
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        results = {"fsdp2": measure(fsdp2), "ddp": measure(ddp)}
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+            json.dump(results, file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # torch 2.13's gloo can abort a process at interpreter exit (see workers.run_rank): leave now.
+    os._exit(0)
