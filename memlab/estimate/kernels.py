@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from memlab._gpus import GPU, resolve_gpu
 from memlab._tensors import check_optimizer
 
 __all__ = ["DIFFERENCES", "CudaKernels", "Difference", "cuda_optimizer_defaults"]
@@ -218,10 +219,12 @@ class CudaKernels:
     device: two 512 B blocks per attention call, kept for backward).
     """
 
-    def __init__(self, data_free: bool = True) -> None:
+    def __init__(self, data_free: bool = True, gpu: GPU | None = None) -> None:
         if not isinstance(data_free, bool):
             raise TypeError(f"data_free must be True or False, got {type(data_free).__name__} {data_free!r}")
         self.data_free = data_free
+        #: The GPU whose kernels are mimicked (``None``: :func:`memlab._gpus.resolve_gpu`'s default).
+        self.gpu = resolve_gpu(gpu)
         #: Name of each handled difference -> how many calls were substituted.
         self.substituted: dict[str, int] = {}
         #: One sentence per unhandled difference hit (or handled one not applied), in order first hit.

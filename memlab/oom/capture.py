@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from memlab._gpus import GPU
 from memlab._tensors import live_tensors, storages_of
 from memlab.history import categories
 from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
@@ -108,7 +109,9 @@ class OOMCapture:
     ``stats`` are ``memory_stats()`` at that moment (after the allocator's retry path freed its
     unused cached segments). ``snapshot`` is the ``torch.cuda.memory._snapshot()`` dict (with its
     trace where a history was recorded), ``trace_complete`` whether that trace holds every event
-    since the allocator began (what a replay needs).
+    since the allocator began (what a replay needs). ``gpu``: the GPU a tracker's modelled run
+    models (whose cuBLAS workspaces remedies estimated for the step count), ``None`` for a real
+    GPU's error, whose remedies model the GPU in use.
     """
 
     error_id: int
@@ -132,6 +135,7 @@ class OOMCapture:
     note: str | None = None
     kept: dict[int, int] = field(default_factory=dict)
     sequence: int = field(default_factory=lambda: next(_sequence))
+    gpu: GPU | None = None
 
 
 def _largest_free_block(segments: Iterable[dict[str, Any]]) -> int:
@@ -324,6 +328,7 @@ def capture_tracker_oom(
         largest_free_block=_largest_free_block(segments),
         config="" if config is None else config.source,
         call=call,
+        gpu=tracker.gpu if tracker.workspaces is not None else None,
     )
     was_enabled = gc.isenabled()
     gc.disable()

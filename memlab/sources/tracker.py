@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _push_mode
 
 from memlab._devices import resolve_device
+from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._tensors import call_roots, check_optimizer, live_storages, storages_of
 from memlab._units import parse_size
 from memlab.history import categories
@@ -31,6 +32,7 @@ from memlab.history.recorder import Stack, capture_stack, is_own_code, make_hist
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 from memlab.sources.threads import follow_new_threads, unreachable_threads
+from memlab.sources.workspaces import CublasWorkspaces
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
@@ -46,8 +48,8 @@ _active: list[TensorTracker] = []  # one item per entry, in any thread, innermos
 _active_lock = threading.Lock()
 #: Called as ``observer(tracker, storage, nbytes, error)`` when a tracker's modelled allocator raises
 #: ``torch.OutOfMemoryError`` for ``storage`` (``nbytes`` bytes; a new storage, or one grown by
-#: ``resize_``), before the error leaves the op (:mod:`memlab.oom` captures the state of that
-#: moment). Nothing runs otherwise.
+#: ``resize_``; for a cuBLAS workspace, an empty storage on its device), before the error leaves
+#: the op (:mod:`memlab.oom` captures the state of that moment). Nothing runs otherwise.
 OOM_OBSERVERS: list[Callable[[TensorTracker, torch.UntypedStorage, int, torch.OutOfMemoryError], None]] = []
 _AT = ("now", "peak")  # the moments by_category can report
 
@@ -131,7 +133,15 @@ class TensorTracker(TorchDispatchMode):
 
     ``allocator="cuda"`` (default) replays the events through :class:`CachingAllocatorModel`, so
     statistics are those the CUDA caching allocator would report (512 B rounding, 2 MiB / 20 MiB
-    segments, caching); ``allocator=None`` counts exact bytes (reserved = allocated = requested).
+    segments, caching), on the GPU ``gpu`` names (:func:`memlab._gpus.resolve_gpu`: a name such as
+    ``"A100"``, a compute capability ``"sm90"`` or ``(9, 0)``; default: the GPU in use on a machine
+    with CUDA, else :data:`memlab._gpus.DEFAULT_GPU`, an H100), kept as :attr:`gpu`: for tensors
+    that are not on a real GPU (a CPU or ``meta`` run, fake tensors), the first op that takes a
+    cuBLAS handle on a (device, stream, thread) allocates that GPU's cuBLAS workspace in the model,
+    as PyTorch does, and keeps it (category ``workspace``; :mod:`memlab.sources.workspaces`, whose
+    :class:`~memlab.sources.workspaces.CublasWorkspaces` is :attr:`workspaces`). On a real GPU the
+    GPU's allocator holds it, and the tracker allocates none. ``allocator=None`` counts exact bytes
+    (reserved = allocated = requested) and models no GPU.
     ``capacity`` (bytes or a string such as ``"8 GiB"``) is every device's total memory: an op whose
     result would not fit raises ``torch.OutOfMemoryError`` where the modelled GPU would.
     ``adopt=True`` counts, at the first entry, the tensors that already exist and that ``gc`` can
@@ -160,8 +170,9 @@ class TensorTracker(TorchDispatchMode):
     made before) are not counted: :attr:`threads_not_counted` names those that are not daemons.
     Activations of other threads are not categorised in the history.
 
-    What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
-    single op, the CUDA context, NCCL buffers, memory allocated outside PyTorch's dispatcher
+    What a tracker cannot see: cuBLAS workspaces on a real GPU (the GPU's allocator holds them),
+    cuDNN workspaces and temporaries allocated inside a single op, the CUDA context, NCCL buffers,
+    memory allocated outside PyTorch's dispatcher
     (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), ``torch.cuda.empty_cache()``
     calls in the measured code, and backend choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
@@ -179,6 +190,7 @@ class TensorTracker(TorchDispatchMode):
         history: bool | int | None = None,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        gpu: GpuLike | None = None,
     ) -> None:
         super().__init__()
         if allocator not in _ALLOCATORS:
@@ -186,6 +198,12 @@ class TensorTracker(TorchDispatchMode):
                 f"allocator must be 'cuda' (the CUDA caching allocator model) or None (exact bytes); "
                 f"got {allocator!r}"
             )
+        if gpu is not None and allocator is None:
+            raise ValueError(f"gpu={gpu!r} needs allocator='cuda': allocator=None models no GPU")
+        #: The GPU modelled (``allocator="cuda"``), else ``None``.
+        self.gpu: GPU | None = resolve_gpu(gpu) if allocator == "cuda" else None
+        #: The cuBLAS workspaces of the modelled GPU (``None`` with ``allocator=None``).
+        self.workspaces = CublasWorkspaces(self.gpu) if self.gpu is not None else None
         if not isinstance(adopt, bool):
             raise TypeError(f"adopt must be True or False, got {type(adopt).__name__} {adopt!r}")
         self.allocator = allocator
@@ -207,6 +225,7 @@ class TensorTracker(TorchDispatchMode):
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
         self._resumed: Any = None  # the allocator the first device starts from (see resume)
+        self._resumed_workspaces = 0  # how many workspaces it holds
         self._seen: dict[torch.device, None] = {}  # devices of tracked storages, in order
         self._live: dict[int, _StorageRef] = {}
         self._pending: deque[_StorageRef] = deque()
@@ -469,6 +488,9 @@ class TensorTracker(TorchDispatchMode):
                         inputs = {id(s) for s in found}
                     if id(storage) not in inputs:
                         self._track(storage)
+            workspaces = self.workspaces
+            if workspaces is not None and func.overloadpacket in workspaces.ops:
+                workspaces.after_op(func, args, kwargs, self._allocate_workspace)
         return out
 
     def adopt_from_call(self, frame: FrameType) -> None:
@@ -542,11 +564,15 @@ class TensorTracker(TorchDispatchMode):
     def _allocator_for(self, device: torch.device) -> Any:
         allocator = self._allocators.get(device)
         if allocator is None:
+            if self._resumed is not None and self.workspaces is not None and self._resumed_workspaces:
+                self.workspaces.present(device, self._resumed_workspaces)
             allocator, self._resumed = self._resumed or self._new_allocator(), None
             self._allocators[device] = allocator
         return allocator
 
-    def resume(self, allocator: Any, blocks: Iterable[tuple[torch.UntypedStorage, int]] = ()) -> None:
+    def resume(
+        self, allocator: Any, blocks: Iterable[tuple[torch.UntypedStorage, int]] = (), workspaces: int = 0
+    ) -> None:
         """Count on the first device from ``allocator`` as it is (an allocator model with cached
         segments and allocated blocks: a process's state replayed from its history, say) instead
         of a new, empty allocator of the tracker's settings: the allocator's own ``capacity``,
@@ -557,10 +583,13 @@ class TensorTracker(TorchDispatchMode):
         freed when the storage is. The allocator's other allocated blocks stay allocated (memory
         that no storage the tracker sees holds). Call it before the tracker counts anything;
         ``ValueError`` otherwise, or when the storages are on several devices, or one is
-        counted twice."""
+        counted twice. ``workspaces``: how many of the other blocks are cuBLAS workspaces, which the
+        first ops that need one on that device use instead of allocating their own
+        (:meth:`~memlab.sources.workspaces.CublasWorkspaces.present`)."""
         if self._allocators or self._live:
             raise ValueError("resume: the tracker has counted storages already; resume it before it counts")
         self._resumed = allocator
+        self._resumed_workspaces = workspaces
         for storage, handle in blocks:
             if self._allocator_for(storage.device) is not allocator:
                 raise ValueError(f"resume: every storage must be on one device; {storage.device} is another")
@@ -588,6 +617,20 @@ class TensorTracker(TorchDispatchMode):
         ref = _StorageRef(storage, self._pending.append)
         ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
         self._live[ref.key] = ref
+
+    def _allocate_workspace(self, device: torch.device, nbytes: int) -> None:
+        """Allocate a cuBLAS workspace of ``nbytes`` on ``device``'s allocator, for good (category
+        ``workspace``); an out-of-memory error names an empty storage on ``device`` to the observers."""
+        allocator = self._allocator_for(device)
+        if device not in self._seen:
+            self._seen[device] = None
+        try:
+            handle = allocator.malloc(nbytes) if nbytes else None
+        except torch.OutOfMemoryError as error:
+            self._out_of_memory(torch.UntypedStorage(0, device=device), nbytes, error)
+            raise
+        if handle is not None and allocator.history is not None:
+            allocator.history.set_category(allocator._extent(handle)[0], categories.WORKSPACE)
 
     def _resize(self, ref: _StorageRef, storage: torch.UntypedStorage) -> None:
         # The CUDA allocator grows a storage by allocating the new block, copying, then freeing.

@@ -12,6 +12,9 @@ import memlab
 from memlab.history import categories
 
 KEYS = ("allocated_bytes.all.peak", "active_bytes.all.peak", "reserved_bytes.all.peak")
+#: An H100's cuBLAS workspace (the GPU estimates model here): one per thread that runs a matmul,
+#: the forward's and the autograd thread's that runs backward (memlab.sources.workspaces).
+WORKSPACE = 32 * 2**20
 
 
 def cnn() -> torch.nn.Module:
@@ -105,8 +108,10 @@ def test_estimate_of_a_training_step_equals_the_tracked_real_run(name):
 
 
 def test_published_check_two_linear_layers():
-    """PyTorch issue tracker, measured on a GPU: 16,777,728 B after the forward, 20,972,032 B after
-    the backward (two bias-free Linear(1024, 1024), input (4, 256, 1024))."""
+    """PyTorch issue tracker, measured on a GPU: 16,777,728 B of tensors after the forward,
+    20,972,032 B after the backward (two bias-free Linear(1024, 1024), input (4, 256, 1024)); with
+    the cuBLAS workspaces a GPU allocates through the caching allocator on top: the forward
+    thread's, then the autograd thread's (none with ``CUBLAS_WORKSPACE_CONFIG=:0:0``)."""
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
     )
@@ -120,8 +125,14 @@ def test_published_check_two_linear_layers():
         loss.backward()
         return loss
 
-    assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728
-    assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == 20_972_032
+    assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728 + WORKSPACE
+    assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == (
+        20_972_032 + 2 * WORKSPACE
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+        assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728
+        assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == 20_972_032
 
 
 def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
@@ -148,9 +159,10 @@ def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
         "activation": activation,
         "temporary": activation + 512,  # the hidden layer's gradient, and backward's seed (a scalar 1)
         "unknown": 512,  # the loss, a 4-byte scalar in a 512-byte block
+        "workspace": 2 * WORKSPACE,  # the forward thread's and the autograd thread's
     }
     assert estimate.by_category("peak") == expected
-    assert estimate.peak_allocated == sum(expected.values()) == 25_166_848
+    assert estimate.peak_allocated == sum(expected.values()) == 25_166_848 + 2 * WORKSPACE
     end = estimate.by_category("end")
     assert (end["gradient"], end["activation"], end["temporary"]) == (2 * weight, 0, 0)
 
@@ -191,7 +203,11 @@ def test_a_module_and_a_bound_method_are_copied_as_the_function():
     x = torch.randn(32, 256)
     by_module = memlab.estimate(model, x)
     by_method = memlab.estimate(model.forward, x)
-    assert by_module.peak_allocated == by_method.peak_allocated == 256 * 256 * 4 + 1024 + 2 * 32 * 256 * 4
+    assert (
+        by_module.peak_allocated
+        == by_method.peak_allocated
+        == (256 * 256 * 4 + 1024 + 2 * 32 * 256 * 4 + WORKSPACE)
+    )
     assert by_module.by_category("end")["parameter"] == 256 * 256 * 4 + 1024
 
 
@@ -286,13 +302,14 @@ def test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see():
     text = repr(memlab.estimate(forward, model, torch.randn(256, 1024)))
     assert text.splitlines()[:3] == [
         "memlab estimate of test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see.<locals>."
-        "forward on cpu (fake tensors; CUDA caching allocator modelled; 1 step)",
-        "peak allocated 6.00M, active 6.00M, reserved 24.00M",
-        "at the end: allocated 5.00M, reserved 24.00M",
+        "forward on cpu (fake tensors; H100 (sm90) modelled: CUDA caching allocator, cuBLAS workspaces; 1 step)",
+        "peak allocated 38.00M, active 38.00M, reserved 56.00M",
+        "at the end: allocated 37.00M, reserved 56.00M",
     ]
-    assert "not seen: kernel workspaces (cuBLAS, cuDNN)" in text
+    assert "\nworkspace           32.00M    32.00M\n" in text
+    assert "not seen: cuDNN workspaces and temporaries inside one kernel, the CUDA context" in text
     html = memlab.estimate(forward, model, torch.randn(256, 1024))._repr_html_()
-    assert "<b>6.00M</b>" in html and "<td>parameter</td><td>4.00M</td><td>4.00M</td>" in html
+    assert "<b>38.00M</b>" in html and "<td>parameter</td><td>4.00M</td><td>4.00M</td>" in html
 
 
 def test_fits_compares_peak_reserved_with_a_budget():
@@ -317,7 +334,11 @@ def test_line_profile_gives_the_line_profiler_table_without_allocating():
     estimate = memlab.estimate(forward_backward, model, torch.randn(4, 256, 1024))
     columns = ["allocated_bytes.all.current"]
     frame = estimate.line_profile(columns=columns).to_dataframe(columns=columns)
-    assert list(frame["allocated_bytes.all.current"]) == [12_582_912, 16_777_728, 20_972_032, 20_972_032]
+    tensors = [12_582_912, 16_777_728, 20_972_032, 20_972_032]
+    workspaces = [0, WORKSPACE, 2 * WORKSPACE, 2 * WORKSPACE]  # forward's matmul, then backward's
+    assert list(frame["allocated_bytes.all.current"]) == [
+        t + w for t, w in zip(tensors, workspaces, strict=True)
+    ]
     assert frame.attrs["source"] == (
         "estimated (fake tensors, cpu's kernels; memlab.estimate): CUDA caching allocator replayed from meta "
         "tensors (memlab.TensorTracker); 3 tensor storages (12.00M) existed before profiling"
