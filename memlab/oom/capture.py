@@ -39,6 +39,7 @@ __all__ = [
 #: How many of the largest live tensors a capture keeps.
 CULPRITS = 5
 _MODEL_STATE = {categories.PARAMETER, categories.BUFFER, categories.GRADIENT, categories.OPTIMIZER_STATE}
+_NOT_HELD = {*_MODEL_STATE, categories.WORKSPACE}  # what the step needs in every call
 _sequence = itertools.count(1)
 
 
@@ -247,7 +248,8 @@ def _held_across_calls(tracker: Any, snapshot: dict[str, Any], call: Call | None
     """Blocks alive now that an earlier call of the step allocated (the step's code is on their
     allocation stack, before this call began) and that this call cannot reach: not held by the
     step's local variables (its arguments included), not a parameter, buffer, gradient or optimizer
-    state. Needs a history (allocation stacks and times); empty otherwise."""
+    state, nor a cuBLAS workspace (kept by PyTorch for every later matmul). Needs a history
+    (allocation stacks and times); empty otherwise."""
     code = None if call is None else call.code
     if code is None or not snapshot["device_traces"] or not snapshot["device_traces"][-1]:
         return []
@@ -270,7 +272,7 @@ def _held_across_calls(tracker: Any, snapshot: dict[str, Any], call: Call | None
             if block["state"] != "active_allocated" or block["address"] in needed:
                 continue
             if (
-                block["category"] in _MODEL_STATE
+                block["category"] in _NOT_HELD
                 or allocated_us.get(block["address"], call.started_us) >= call.started_us
             ):
                 continue

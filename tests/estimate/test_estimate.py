@@ -302,7 +302,8 @@ def test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see():
     text = repr(memlab.estimate(forward, model, torch.randn(256, 1024)))
     assert text.splitlines()[:3] == [
         "memlab estimate of test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see.<locals>."
-        "forward on cpu (fake tensors; H100 (sm90) modelled: CUDA caching allocator, cuBLAS workspaces; 1 step)",
+        "forward on cpu (fake tensors; H100 (sm90) modelled: CUDA caching allocator, cuBLAS workspaces; "
+        "1 step)",
         "peak allocated 38.00M, active 38.00M, reserved 56.00M",
         "at the end: allocated 37.00M, reserved 56.00M",
     ]
@@ -379,9 +380,10 @@ def test_device_meta_runs_meta_kernels_which_allocate_differently_for_a_gru():
 
 @pytest.mark.cuda
 def test_estimate_of_a_gpu_step_is_close_to_the_gpus_own_peak():
-    """On a GPU the estimate runs fake CUDA tensors (CUDA's own kernels). cuBLAS/cuDNN workspaces
-    are allocated through the caching allocator on a GPU but not seen by an estimate, hence the
-    tolerance; the numbers are printed for the README."""
+    """On a GPU the estimate runs fake CUDA tensors (CUDA's own kernels) and models the GPU in
+    use, cuBLAS workspaces included. cuDNN workspaces are allocated through the caching allocator
+    on a GPU but not seen by an estimate, hence the tolerance; the numbers are printed for the
+    README."""
     torch.manual_seed(0)
     model = encoder().cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -501,3 +503,119 @@ def test_losses_that_keep_a_full_storage_are_counted_as_their_kernels_allocate(l
     model.zero_grad(set_to_none=True)
     keys = (*KEYS, "allocated_bytes.all.current")
     assert {key: estimate.stats[key] for key in keys} == {key: stats[key] for key in keys}
+
+
+# -- the GPU an estimate models: its cuBLAS workspaces ------------------------------------------------
+H100_WORKSPACE = 4096 * 8 * 1024  # CublasHandlePool.cpp: parseChosenWorkspaceSize, sm90: ":4096:8"
+A100_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # any other GPU: ":4096:2:16:8"
+
+
+def linear_step():
+    """The bias-free Linear(1024, 1024) on a (64, 1024) float32 input that needs no gradient."""
+    layer = torch.nn.Linear(1024, 1024, bias=False)
+    x = torch.randn(64, 1024)
+
+    def step(layer, x):
+        return layer(x)
+
+    return step, layer, x
+
+
+def test_the_linear_step_for_an_h100_and_an_a100_differs_by_their_workspaces():
+    step, layer, x = linear_step()
+    h100 = memlab.estimate(step, layer, x, device="cuda", gpu="H100")
+    a100 = memlab.estimate(step, layer, x, device="cuda", gpu="A100")
+    weight, batch, out = 1024 * 1024 * 4, 64 * 1024 * 4, 64 * 1024 * 4  # each a multiple of 512 B
+    assert h100.peak_allocated == weight + batch + out + H100_WORKSPACE
+    assert a100.peak_allocated == weight + batch + out + A100_WORKSPACE
+    assert h100.peak_allocated - a100.peak_allocated == H100_WORKSPACE - A100_WORKSPACE == 25_034_752
+    assert h100.by_category("peak")["workspace"] == h100.by_category("end")["workspace"] == H100_WORKSPACE
+    assert (h100.gpu.name, a100.gpu.name) == ("H100", "A100")
+    assert repr(a100).splitlines()[0] == (
+        "memlab estimate of linear_step.<locals>.step on cuda (fake tensors; A100 (sm80) modelled: CUDA "
+        "caching allocator, cuBLAS workspaces; 1 step)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "workspace"),
+    [
+        (":4096:2", 4096 * 1024 * 2),
+        (":4096:2:16", 4096 * 1024 * 2),
+        (":16:8:16:8", 2 * 16 * 1024 * 8),
+        (":0:0", 0),
+    ],
+)
+def test_cublas_workspace_config_changes_the_estimate_as_pytorchs_parser_would(
+    monkeypatch, config, workspace
+):
+    step, layer, x = linear_step()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    for gpu in ("H100", "A100"):  # the configuration replaces either default
+        estimate = memlab.estimate(step, layer, x, device="cuda", gpu=gpu)
+        assert estimate.peak_allocated == 1024 * 1024 * 4 + 2 * 64 * 1024 * 4 + workspace
+
+
+def test_a_malformed_cublas_workspace_config_warns_and_keeps_the_default(monkeypatch):
+    step, layer, x = linear_step()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "4096:8")
+    with pytest.warns(UserWarning, match="^Could not parse CUBLAS_WORKSPACE_CONFIG, using default workspace"):
+        estimate = memlab.estimate(step, layer, x, device="cuda", gpu="A100")
+    assert estimate.by_category("end")["workspace"] == A100_WORKSPACE
+
+
+def test_a_step_without_a_matmul_allocates_no_workspace():
+    x = torch.randn(64, 1024)
+    estimate = memlab.estimate(lambda x: torch.nn.functional.gelu(x).softmax(-1), x, device="cuda")
+    assert estimate.by_category("peak")["workspace"] == 0
+    assert estimate.peak_allocated == 3 * 64 * 1024 * 4
+
+
+def test_a_training_step_has_the_forward_threads_and_the_autograd_threads_workspaces():
+    layer = torch.nn.Linear(1024, 1024, bias=False)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def step(layer, optimizer, x):
+        optimizer.zero_grad()
+        layer(x).sum().backward()
+        optimizer.step()
+
+    estimate = memlab.estimate(
+        step, layer, optimizer, torch.randn(64, 1024), device="cuda", gpu="A100", steps=2
+    )
+    assert estimate.by_category("end")["workspace"] == 2 * A100_WORKSPACE
+    keys = [key[3] for key in estimate.tracker.workspaces.keys]
+    assert len(keys) == 2 and keys[1] == "autograd"
+
+
+def test_naming_a_gpu_estimates_for_cuda_and_every_estimate_names_its_gpu():
+    step, layer, x = linear_step()
+    named = memlab.estimate(step, layer, x, gpu=(8, 0))
+    assert named.device.type == "cuda" and named.gpu.name == "A100"
+    on_cpu = memlab.estimate(step, layer, x)
+    assert on_cpu.device.type == "cpu" and on_cpu.gpu.name == "H100"  # a tracked CPU run models one too
+    assert on_cpu.by_category("end")["workspace"] == H100_WORKSPACE
+    with pytest.raises(ValueError, match=r"^gpu 'Z80' is not a GPU memlab knows; valid: a GPU name"):
+        memlab.estimate(step, layer, x, gpu="Z80")
+
+
+def test_convolutions_on_cuda_name_cudnns_workspace_in_the_caveats():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 2))
+
+    def step(model, x):
+        model(x).sum().backward()
+
+    x = torch.randn(2, 3, 8, 8)
+    on_cuda = memlab.estimate(step, model, x, device="cuda")
+    (caveat,) = [c for c in on_cuda.caveats if "cuDNN" in c]
+    assert caveat == (
+        "aten.convolution, aten.convolution_backward ran: on CUDA, cuDNN allocates a workspace through the "
+        "caching allocator for each convolution call (forward and backward) and frees it when the call "
+        "returns; its size depends on the algorithm cuDNN picks at run time (torch.backends.cudnn.benchmark, "
+        "the free memory), so it is not modelled and can raise the peak by the largest such workspace "
+        "(aten/src/ATen/native/cudnn/Conv_v8.cpp)."
+    )
+    assert f"caveat: {caveat}" in repr(on_cuda)
+    assert not any("cuDNN" in c for c in memlab.estimate(step, model, x, device="cpu").caveats)
+    linear_only = memlab.estimate(lambda x: x @ x, torch.randn(8, 8), device="cuda")
+    assert linear_only.caveats == []
