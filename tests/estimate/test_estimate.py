@@ -619,3 +619,21 @@ def test_convolutions_on_cuda_name_cudnns_workspace_in_the_caveats():
     assert not any("cuDNN" in c for c in memlab.estimate(step, model, x, device="cpu").caveats)
     linear_only = memlab.estimate(lambda x: x @ x, torch.randn(8, 8), device="cuda")
     assert linear_only.caveats == []
+
+
+def test_the_estimate_hands_its_gpu_to_cudas_kernels(monkeypatch):
+    from memlab.estimate import kernels
+
+    made = []
+    original = kernels.CudaKernels.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self.gpu.name)
+
+    monkeypatch.setattr(kernels.CudaKernels, "__init__", record)
+    step, layer, x = linear_step()
+    memlab.estimate(step, layer, x, gpu="L4")
+    memlab.estimate(step, layer, x, device="cuda")
+    assert made == ["L4", "H100"]
+    assert kernels.CudaKernels().gpu.name == "H100"

@@ -9,6 +9,7 @@ import torch
 
 import memlab
 from memlab._units import format_size
+from memlab.estimate.fit import default_budget
 from memlab.history import categories
 
 #: 48 MiB for the step's tensors, and the two 32 MiB cuBLAS workspaces of the H100 the estimates
@@ -161,3 +162,87 @@ def test_bad_arguments_are_typed_errors():
         memlab.max_batch_size(step, make_batch, "1 GiB", steps=0)
     with pytest.raises(ValueError, match=r"headroom \(1.00G\) must be less than the budget \(1.00G\)"):
         memlab.max_batch_size(step, make_batch, "1 GiB", headroom="1 GiB")
+
+
+# -- default budgets ----------------------------------------------------------------------------------
+class FakeCuda:
+    """What ``default_budget`` reads of a GPU, for a machine without one: ``mem_get_info``, the
+    caching allocator's reserved and allocated bytes, the per-process fraction and the total."""
+
+    def __init__(self, free: int, total: int, reserved: int, allocated: int, fraction: float = 1.0) -> None:
+        self.free, self.total, self.reserved, self.allocated, self.fraction = (
+            free,
+            total,
+            reserved,
+            allocated,
+            fraction,
+        )
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda index: (self.free, self.total))
+        monkeypatch.setattr(cuda, "memory_reserved", lambda index: self.reserved)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda index: self.allocated)
+        # CUDACachingAllocator.cpp: getMemoryFraction is allowed_memory_maximum / totalGlobalMem
+        monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda index: self.fraction)
+        properties = type("Properties", (), {"total_memory": self.total})()
+        monkeypatch.setattr(cuda, "get_device_properties", lambda index: properties)
+
+
+GIB = 2**30
+
+
+def test_on_a_gpu_the_default_budget_is_free_memory_plus_what_the_allocator_caches(monkeypatch):
+    FakeCuda(free=60 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB).install(monkeypatch)
+    assert default_budget(torch.device("cuda")) == 60 * GIB + 6 * GIB
+
+
+def test_a_per_process_memory_fraction_caps_the_default_budget(monkeypatch):
+    # set_per_process_memory_fraction(0.25) on an 80 GiB GPU: the allocator may reserve 20 GiB in
+    # all, 10 GiB more than it holds, although mem_get_info reports 60 GiB free
+    FakeCuda(free=60 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB, fraction=0.25).install(
+        monkeypatch
+    )
+    assert default_budget(torch.device("cuda")) == 10 * GIB + 6 * GIB
+    # a fraction above what is free leaves the free memory as the limit
+    FakeCuda(free=5 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB, fraction=0.5).install(
+        monkeypatch
+    )
+    assert default_budget(torch.device("cuda")) == 5 * GIB + 6 * GIB
+    # reserved beyond the limit already (the fraction lowered later): only the cached bytes remain
+    FakeCuda(free=60 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB, fraction=0.1).install(
+        monkeypatch
+    )
+    assert default_budget(torch.device("cuda")) == 6 * GIB
+
+
+def test_the_fraction_is_read_back_to_the_allocators_byte_limit(monkeypatch):
+    total = 85_899_345_920  # an 80 GiB GPU
+    allowed = int(0.3 * total)  # static_cast<size_t>(fraction * totalGlobalMem)
+    FakeCuda(free=total, total=total, reserved=0, allocated=0, fraction=allowed / total).install(monkeypatch)
+    assert default_budget(torch.device("cuda")) == allowed
+
+
+def test_without_a_gpu_the_default_budget_for_cuda_is_the_modelled_gpus_memory_less_the_context():
+    from memlab._gpus import CONTEXT_ALLOWANCE, GPUS
+
+    assert default_budget(torch.device("cuda")) == GPUS["H100"].total_memory - CONTEXT_ALLOWANCE
+    assert default_budget(torch.device("cuda"), "A100-40GB") == 40_960 * 2**20 - 512 * 2**20
+    with memlab.TensorTracker(gpu="L4"):
+        assert default_budget(torch.device("cuda")) == 23_034 * 2**20 - 512 * 2**20  # the tracker's GPU
+    with memlab.TensorTracker(gpu="L4", capacity="1 GiB"):
+        assert default_budget(torch.device("cuda")) == GIB  # a capacity comes first
+    with pytest.raises(ValueError, match=r"^gpu sm120 has no known total memory: name a GPU"):
+        default_budget(torch.device("cuda"), "sm120")
+
+
+def test_max_batch_size_for_a_named_gpu_defaults_to_cuda_and_its_memory():
+    _, _, step = problem()
+    fit = memlab.max_batch_size(step, make_batch, gpu="T4", high=64)
+    assert fit.budget == 15_360 * 2**20 - 512 * 2**20
+    assert (fit.batch_size, fit.estimate.device.type, fit.estimate.gpu.name) == (64, "cuda", "T4")
+    assert fit.estimate.by_category("end")["workspace"] == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+    with pytest.raises(ValueError, match=r"^gpu 'Z80' is not a GPU memlab knows"):
+        memlab.max_batch_size(step, make_batch, gpu="Z80")
