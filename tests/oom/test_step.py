@@ -4,6 +4,7 @@ an estimate of the failing step."""
 from __future__ import annotations
 
 import gc
+import importlib
 import io
 
 import pytest
@@ -156,3 +157,25 @@ def test_no_step_no_step_remedies():
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(48 * MIB // 4)
     assert watch.report.remedies == ()
+
+
+def test_step_remedies_model_the_gpu_of_the_tracker_that_failed(monkeypatch):
+    estimate_module = importlib.import_module("memlab.estimate.estimate")  # memlab.estimate is the function
+    modelled = []
+    original = estimate_module.run_estimate
+
+    def recording(*args, **kwargs):
+        estimate = original(*args, **kwargs)
+        modelled.append((estimate.gpu.name, estimate.tracker.workspaces.sizes.cublas))
+        return estimate
+
+    monkeypatch.setattr(estimate_module, "run_estimate", recording)
+    watched = memlab.explain_oom(train_step, stream=io.StringIO())
+    with memlab.TensorTracker(capacity="80 MiB", history=True, gpu="A100"):
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(4096, 1024), torch.randn(4096, 1024)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, optimizer, x, y)
+    assert memlab.oom.last_report().remedies
+    assert modelled and set(modelled) == {("A100", 4096 * 1024 * 2 + 16 * 1024 * 8)}
