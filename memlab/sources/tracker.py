@@ -32,7 +32,7 @@ from memlab.history.recorder import Stack, capture_stack, is_own_code, make_hist
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 from memlab.sources.threads import follow_new_threads, unreachable_threads
-from memlab.sources.workspaces import CublasWorkspaces
+from memlab.sources.workspaces import CublasWorkspaces, workspace_ops
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
@@ -200,10 +200,8 @@ class TensorTracker(TorchDispatchMode):
             )
         if gpu is not None and allocator is None:
             raise ValueError(f"gpu={gpu!r} needs allocator='cuda': allocator=None models no GPU")
-        #: The GPU modelled (``allocator="cuda"``), else ``None``.
-        self.gpu: GPU | None = resolve_gpu(gpu) if allocator == "cuda" else None
-        #: The cuBLAS workspaces of the modelled GPU (``None`` with ``allocator=None``).
-        self.workspaces = CublasWorkspaces(self.gpu) if self.gpu is not None else None
+        self._gpu: GPU | None = None if gpu is None else resolve_gpu(gpu)  # a bad name fails here
+        self._workspaces: CublasWorkspaces | None = None
         if not isinstance(adopt, bool):
             raise TypeError(f"adopt must be True or False, got {type(adopt).__name__} {adopt!r}")
         self.allocator = allocator
@@ -488,9 +486,8 @@ class TensorTracker(TorchDispatchMode):
                         inputs = {id(s) for s in found}
                     if id(storage) not in inputs:
                         self._track(storage)
-            workspaces = self.workspaces
-            if workspaces is not None and func.overloadpacket in workspaces.ops:
-                workspaces.after_op(func, args, kwargs, self._allocate_workspace)
+            if self.allocator is not None and func.overloadpacket in workspace_ops():
+                self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[union-attr]
         return out
 
     def adopt_from_call(self, frame: FrameType) -> None:
@@ -564,7 +561,7 @@ class TensorTracker(TorchDispatchMode):
     def _allocator_for(self, device: torch.device) -> Any:
         allocator = self._allocators.get(device)
         if allocator is None:
-            if self._resumed is not None and self.workspaces is not None and self._resumed_workspaces:
+            if self._resumed_workspaces and self._resumed is not None and self.workspaces is not None:
                 self.workspaces.present(device, self._resumed_workspaces)
             allocator, self._resumed = self._resumed or self._new_allocator(), None
             self._allocators[device] = allocator
@@ -617,6 +614,25 @@ class TensorTracker(TorchDispatchMode):
         ref = _StorageRef(storage, self._pending.append)
         ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
         self._live[ref.key] = ref
+
+    @property
+    def gpu(self) -> GPU | None:
+        """The GPU modelled (``allocator="cuda"``; else ``None``), read at first use: on a machine
+        with CUDA the GPU in use (which initializes CUDA), else :data:`memlab._gpus.DEFAULT_GPU`."""
+        if self.allocator is None:
+            return None
+        if self._gpu is None:
+            self._gpu = resolve_gpu(None)
+        return self._gpu
+
+    @property
+    def workspaces(self) -> CublasWorkspaces | None:
+        """The cuBLAS workspaces of :attr:`gpu` (``None`` with ``allocator=None``), made at first
+        use: the environment's workspace settings are read then, as PyTorch reads them at a
+        process's first matmul."""
+        if self._workspaces is None and self.allocator is not None:
+            self._workspaces = CublasWorkspaces(self.gpu)  # type: ignore[arg-type]
+        return self._workspaces
 
     def _allocate_workspace(self, device: torch.device, nbytes: int) -> None:
         """Allocate a cuBLAS workspace of ``nbytes`` on ``device``'s allocator, for good (category

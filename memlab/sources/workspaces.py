@@ -19,6 +19,7 @@ holds them and the tracker does not invent them.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -41,6 +42,7 @@ __all__ = [
     "cublaslt_workspace_size",
     "default_cublas_workspace_size",
     "unified_workspaces",
+    "workspace_ops",
     "workspace_sizes",
 ]
 
@@ -228,6 +230,13 @@ def _packets(names: tuple[str, ...]) -> frozenset[Any]:
     return frozenset(getattr(torch.ops.aten, name) for name in names if hasattr(torch.ops.aten, name))
 
 
+@functools.cache
+def workspace_ops() -> frozenset[Any]:
+    """The overload packets of :data:`BLAS_OPS` and :data:`CONVOLUTION_OPS`: the ops a tracker hands
+    to :meth:`CublasWorkspaces.after_op` (one set lookup per op)."""
+    return _packets(BLAS_OPS) | _packets(CONVOLUTION_OPS)
+
+
 def _handle() -> str | int:
     """Which cuBLAS handle an op gets on a GPU: the autograd engine's device thread's while backward
     runs (``torch/csrc/autograd/engine.cpp`` runs CUDA nodes on one thread per device), else the
@@ -254,12 +263,12 @@ def _is_real_cuda(tensor: torch.Tensor) -> bool:
 class CublasWorkspaces:
     """The cuBLAS/cuBLASLt workspaces of one modelled GPU run, by (device, stream, handle).
 
-    :meth:`after_op` is called by the tracker after each op of :attr:`ops` has run and its outputs
+    :meth:`after_op` is called by the tracker after each op of :func:`workspace_ops` has run and its outputs
     were counted (PyTorch allocates an op's output before its kernel takes the cuBLAS handle): for
     an op that takes a handle on a (device, stream, handle) key without a workspace yet, it calls
     ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the default) a
-    cuBLASLt op uses and, first, allocates the cuBLAS workspace of its key
-    (``getCUDABlasLtWorkspace``: ``max(lt size, cublas size)`` is the cuBLAS size); with
+    cuBLASLt op uses the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it
+    is the first (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
     ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` it allocates its own of ``sizes.cublaslt`` bytes.
     Which ops run through cuBLASLt: :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose
     bias can be fused (``Blas.cpp``: ``isInputCompliesAddmmCudaLt``, unless
@@ -278,11 +287,8 @@ class CublasWorkspaces:
         self.keys: list[tuple[str, torch.device, int, str | int]] = []
         self.convolutions: list[str] = []
         self._present: dict[tuple[str, torch.device], int] = {}
-        self._blas = _packets(BLAS_OPS)
         self._lt = _packets(CUBLASLT_OPS)
         self._convolution = _packets(CONVOLUTION_OPS)
-        #: Every overload packet :meth:`after_op` looks at (one set lookup per op for the tracker).
-        self.ops = self._blas | self._convolution
 
     def present(self, device: torch.device, count: int, pool: str = "cublas") -> None:
         """Note that ``count`` workspaces of ``pool`` already exist on ``device``'s allocator: the
