@@ -52,10 +52,11 @@ def test_on_a_gpu_the_modelled_numbers_per_line_match_the_gpus_own():
     statistics (``source="cuda"``) and by a TensorTracker attached to the same run, which replays
     the same CUDA tensors through the allocator model.
 
-    What differs, and why: cuBLAS allocates its workspace through the caching allocator at the first
-    matmul, outside the dispatcher, so the GPU counts it and the tracker cannot; it stays allocated,
-    so from the first forward on the GPU's allocated bytes exceed the model's by the same amount on
-    every line. Nothing else may differ.
+    What differs, and why: cuBLAS allocates its workspaces through the caching allocator at the
+    first matmul of each thread (the forward's, the autograd engine's), outside the dispatcher, so
+    the GPU counts them and a tracker attached to a GPU run does not model them; they stay
+    allocated, so from the second step on the GPU's allocated bytes exceed the model's by the same
+    amount on every line. Nothing else may differ.
     """
     from memlab.examples import train
 
