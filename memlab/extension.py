@@ -156,7 +156,7 @@ class MemlabMagics(Magics):
         measured by :class:`memlab.LineProfiler`; calls made on a line count inside it. Without a
         GPU the numbers come from a :class:`memlab.TensorTracker` replaying the code's tensor
         allocations through a model of the CUDA caching allocator: what a GPU would show, minus
-        what a tracker cannot see (kernel workspaces, the CUDA context, memory allocated outside
+        what a tracker cannot see (cuDNN workspaces, the CUDA context, memory allocated outside
         PyTorch). Tensors made by earlier cells count, as on a GPU: the tracker adopts what ``gc``
         can reach when the magic starts, and the table's first line says how much.
         ``--snapshot FILE`` writes the memory snapshot of the code (also when it raises) for

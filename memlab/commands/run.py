@@ -141,9 +141,10 @@ def profile_program(
     The table has ``columns`` (checked by the caller); ``output`` (``.txt``, ``.json``, ``.csv``)
     receives the same table. The numbers are those of :class:`memlab.LineProfiler` on ``target``
     (default 0: the GPU, or without one the default device through a tensor tracker modelling the
-    CUDA caching allocator, which cannot see kernel workspaces, the CUDA context or memory
-    allocated outside PyTorch). That tracker is entered before the program's first line, so every
-    tensor the program creates counts, also those created before a profiled function first runs.
+    CUDA caching allocator and the cuBLAS workspaces of the GPU it models, which cannot see cuDNN
+    workspaces, the CUDA context or memory allocated outside PyTorch). That tracker is entered
+    before the program's first line, so every tensor the program creates counts, also those
+    created before a profiled function first runs.
     ``snapshot`` (a ``.pickle`` path) receives the memory snapshot of the run, also when the
     program raises or exits (see :func:`memlab.history.recording.snapshot_written`); an
     out-of-memory error is explained on stderr (:func:`memlab.explain_oom`); ``plot``
@@ -255,8 +256,8 @@ class RunCommand:
             "same call; peak columns are the highest value in it, in bytes (40.00K = 40 KiB); calls "
             "made on a line count inside it. Without a GPU a tensor tracker, entered before the "
             "script's first line, replays its tensors through a model of the CUDA caching allocator: "
-            "what a GPU would show, except what a tracker cannot see (kernel workspaces, the CUDA "
-            "context, memory allocated outside PyTorch)."
+            "what a GPU would show, cuBLAS workspaces included, except what a tracker cannot see (cuDNN "
+            "workspaces, the CUDA context, memory allocated outside PyTorch)."
         )
         parser.add_argument("-f", "--function", **FUNCTION_OPTION)
         parser.add_argument("-c", "--column", **COLUMN_OPTION)

@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._devices import parse_device
+from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import format_size, parse_size
 from memlab.estimate.copies import Copier
 from memlab.estimate.quiet import fake_tensor_logs_quiet
@@ -58,9 +59,9 @@ _OP_NAMES = {
     "masked_select": "masked_select (indexing with a boolean mask)",
 }
 CANNOT_SEE = (
-    "kernel workspaces (cuBLAS, cuDNN) and temporaries inside one kernel, the CUDA context, NCCL "
-    "buffers, memory allocated outside PyTorch's dispatcher, and device-specific kernel choices "
-    "other than those listed in memlab.estimate.kernels.DIFFERENCES"
+    "cuDNN workspaces and temporaries inside one kernel, the CUDA context, NCCL buffers, memory "
+    "allocated outside PyTorch's dispatcher, and device-specific kernel choices other than those "
+    "listed in memlab.estimate.kernels.DIFFERENCES"
 )
 
 
@@ -125,15 +126,19 @@ class Estimate:
     ``stats``: the full ``torch.cuda.memory_stats()``-style dict at the end of the call (the
     result still alive). ``method``: ``"fake"`` (fake tensors), ``"meta"`` (``meta`` tensors) or
     ``"cpu"`` (a real run on CPU copies, when ``forced_by`` names the op fake tensors could not
-    run). ``device``: whose kernels were mimicked. ``caveats``: what this run hit that the estimate
+    run). ``device``: whose kernels were mimicked. ``gpu``: the :class:`~memlab._gpus.GPU` whose
+    allocator and cuBLAS workspaces were modelled. ``caveats``: what this run hit that the estimate
     does not model (one sentence each). ``substituted``: CUDA kernel substitutions made (name ->
     count). ``tracker``: the :class:`~memlab.sources.tracker.TensorTracker` that counted (its
     ``snapshot()`` is the run's memory snapshot, for ``memlab viz`` or ``plot_memory``).
     ``steps``: how many times the call ran in a row on the same copies (peaks are over all of
     them); ``peak_step``: the step (1-based) in which the peak reserved bytes were first reached.
 
-    What an estimate cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries inside one
-    kernel, the CUDA context (hundreds of MiB per process on a GPU), NCCL buffers, memory
+    The cuBLAS/cuBLASLt workspaces the GPU's first matmul of each thread and stream allocates are
+    counted (category ``workspace``; :mod:`memlab.sources.workspaces`), as a tracker counts them.
+    What an estimate cannot see: cuDNN workspaces (convolutions: named in ``caveats``) and
+    temporaries inside one kernel, the CUDA context (hundreds of MiB per process on a GPU), NCCL
+    buffers, memory
     allocated outside PyTorch's dispatcher, and device-specific kernel choices other than those
     listed in :data:`memlab.estimate.kernels.DIFFERENCES`; reserved bytes assume an allocator that
     starts empty (a real process may have cached blocks already).
@@ -154,8 +159,10 @@ class Estimate:
         function: Callable[..., Any],
         steps: int = 1,
         peak_step: int = 1,
+        gpu: GPU | None = None,
     ) -> None:
         self.name = name
+        self.gpu = gpu
         self.steps = steps
         self.peak_step = peak_step
         self._function = function
@@ -191,7 +198,7 @@ class Estimate:
 
     def by_category(self, at: str = "peak") -> dict[str, int]:
         """Bytes per category (:data:`memlab.history.categories.CATEGORIES`: parameter, buffer,
-        gradient, optimizer_state, activation, input, temporary, unknown) at the peak of allocated
+        gradient, optimizer_state, activation, input, workspace, temporary, unknown) at the peak of allocated
         bytes (``at="peak"``; ``temporary`` holds blocks freed without another category) or at the
         end of the call (``at="end"``). Block sizes as the allocator model counts them."""
         if at not in _AT:
@@ -228,9 +235,12 @@ class Estimate:
     def _header(self) -> str:
         how = _HOW[self.method]
         ran = "1 step" if self.steps == 1 else f"{self.steps} steps, peak reserved in step {self.peak_step}"
+        gpu = "a GPU" if self.gpu is None else self.gpu.name
+        if self.gpu is not None and self.gpu.name != self.gpu.sm:
+            gpu += f" ({self.gpu.sm})"
         return (
-            f"memlab estimate of {self.name} on {self.device.type} ({how}; CUDA caching allocator "
-            f"modelled; {ran})"
+            f"memlab estimate of {self.name} on {self.device.type} ({how}; {gpu} modelled: CUDA caching "
+            f"allocator, cuBLAS workspaces; {ran})"
         )
 
     def __repr__(self) -> str:
@@ -276,6 +286,7 @@ def estimate(
     *args: Any,
     device: torch.device | str | None = None,
     steps: int = 1,
+    gpu: GpuLike | None = None,
     **kwargs: Any,
 ) -> Estimate:
     """Estimate the memory ``fn(*args, **kwargs)`` takes, without running it on real data.
@@ -291,10 +302,22 @@ def estimate(
     ``"cpu"``, ``"meta"``; default: the arguments' device type, else torch's default device. On a
     machine without CUDA, ``device="cuda"`` runs fake CPU tensors with CUDA's kernel choices
     substituted where they allocate differently (:mod:`memlab.estimate.kernels`); differences not
-    handled are named in ``caveats`` when the run hits them. Where a real kernel allocates other
-    storages than its meta kernel (:data:`memlab.estimate.sizes.CORRECTIONS`), the estimate counts
-    the real kernel's; for a CPU LSTM layer, oneDNN's workspace, measured once per layer shape by
-    running the kernel on zeros (host memory and the time of one layer's forward).
+    handled are named in ``caveats`` when the run hits them.
+
+    ``gpu``: the GPU whose memory an estimate models (:func:`memlab._gpus.resolve_gpu`: a name such
+    as ``"A100"``, a compute capability ``"sm90"`` or ``(9, 0)``; default: the GPU in use on a
+    machine with CUDA, else :data:`memlab._gpus.DEFAULT_GPU`, an H100); naming one makes
+    ``device`` default to ``"cuda"``. Its cuBLAS/cuBLASLt workspace is counted where PyTorch
+    allocates it, as a :class:`~memlab.sources.tracker.TensorTracker` counts it for a real run: at
+    the first op that takes a cuBLAS handle (a matmul) of each thread and stream (backward runs on
+    the autograd engine's own thread on a GPU, so a training step has two), with the size
+    ``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE`` and ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``
+    give (:mod:`memlab.sources.workspaces`).
+
+    Where a real kernel allocates other storages than its meta kernel
+    (:data:`memlab.estimate.sizes.CORRECTIONS`), the estimate counts the real kernel's; for a CPU
+    LSTM layer, oneDNN's workspace, measured once per layer shape by running the kernel on zeros
+    (host memory and the time of one layer's forward).
 
     ``steps``: how many times to call ``fn`` in a row on the same copies, as a training loop
     ``for ...: result = fn(...)`` does (gradients, optimizer state and the previous result carried
@@ -319,7 +342,9 @@ def estimate(
             f"fn must be callable (a function, module or method), got {type(fn).__name__} {fn!r:.80}"
         )
     steps = check_count(steps, "steps", 1)
-    return run_estimate(fn, lambda: (args, kwargs), _target(device, (fn, args, kwargs)), steps=steps)
+    modelled = resolve_gpu(gpu)
+    target = _target("cuda" if device is None and gpu is not None else device, (fn, args, kwargs))
+    return run_estimate(fn, lambda: (args, kwargs), target, steps=steps, gpu=modelled)
 
 
 def check_count(value: Any, name: str, minimum: int) -> int:
@@ -358,6 +383,7 @@ def run_estimate(
     capacity: int | None = None,
     start: Callable[[TensorTracker, Copier], None] | None = None,
     call_context: Callable[[Copier, int], contextlib.AbstractContextManager[Any]] | None = None,
+    gpu: GPU | None = None,
 ) -> Estimate:
     """Run ``fn`` on data-free copies of what ``make_arguments()`` returns (``(args, kwargs)``;
     called under the fake mode, so tensors it creates are fake from the start) and return the
@@ -365,7 +391,9 @@ def run_estimate(
     that accumulates into existing gradients); ``backward``: call ``.backward()`` on the result;
     ``profiler``: a LineProfiler enabled around the call; ``method``: force ``"cpu"``; ``steps``:
     calls in a row (see :func:`estimate`); ``capacity``: the modelled device's memory in bytes
-    (``torch.OutOfMemoryError`` where the run needs more).
+    (``torch.OutOfMemoryError`` where the run needs more); ``gpu``: the GPU whose cuBLAS
+    workspaces the run allocates and whose kernels CUDA's substitutions follow (default:
+    :func:`memlab._gpus.resolve_gpu`'s).
 
     ``start(tracker, copier)`` is called before anything is counted, the copies made
     (``copier.copies`` with their ``copier.originals``): it may start the tracker from an
@@ -376,18 +404,25 @@ def run_estimate(
     the context manager the ``i``-th call of ``fn`` (from 0) runs in, given the copies."""
     method = method or ("meta" if device.type == "meta" else "fake")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    if gpu is None:
+        gpu = resolve_gpu(None)
 
     def rerun(new_profiler: Any) -> Estimate:
         return run_estimate(
             fn, make_arguments, device, with_grads=with_grads, backward=backward,
             profiler=new_profiler, method=method, steps=steps, capacity=capacity,
-            start=start, call_context=call_context,
+            start=start, call_context=call_context, gpu=gpu,
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
-    tracker = _Tracker(history=True, capacity=capacity, kernels=device.type if method == "fake" else None)
+    tracker = _Tracker(
+        history=True,
+        capacity=capacity,
+        kernels=device.type if method == "fake" else None,
+        gpu=gpu,
+    )
     tracker.estimated = _HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
-    kernels = _kernels(device, data_free=method != "cpu")
+    kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
     with _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
@@ -441,6 +476,7 @@ def run_estimate(
                     function=fn,
                     steps=steps,
                     peak_step=reserved_peaks.index(max(reserved_peaks)) + 1,
+                    gpu=gpu,
                 )
                 del result
         except Exception:
@@ -448,6 +484,8 @@ def run_estimate(
                 raise  # the user's own error, or ours: never hidden
         if tracker.forced_by is None:
             caveats += _outside_tensors(outside) + tracker.size_caveats
+            if device.type == "cuda":
+                caveats += tracker.workspaces.caveats()  # cuDNN's convolution workspaces
             if kernels is not None:
                 caveats += kernels.caveats + _host_step_counters(copier.optimizers)
     if tracker.forced_by is not None:  # the run read values fake tensors do not have
@@ -465,6 +503,7 @@ def run_estimate(
             capacity=capacity,
             start=start,
             call_context=call_context,
+            gpu=gpu,
         )
         cpu.forced_by = tracker.forced_by
         return cpu
@@ -496,13 +535,13 @@ def _substituted(kernels: Any, optimizer_defaults: int) -> dict[str, int]:
     return found
 
 
-def _kernels(device: torch.device, data_free: bool) -> Any:
-    """CUDA's kernel choices for an estimate of ``cuda`` on a machine that cannot run them."""
+def _kernels(device: torch.device, data_free: bool, gpu: GPU | None) -> Any:
+    """CUDA's kernel choices on ``gpu`` for an estimate of ``cuda`` on a machine that cannot run them."""
     if device.type != "cuda" or torch.cuda.is_available():
         return None
     from memlab.estimate.kernels import CudaKernels
 
-    return CudaKernels(data_free=data_free)
+    return CudaKernels(data_free=data_free, gpu=gpu)
 
 
 def _tensor_copier(method: str, mode: FakeTensorMode | None) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from memlab._devices import parse_device
+from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import format_size, parse_size
 from memlab.estimate.estimate import Estimate, check_count, run_estimate
 
-__all__ = ["BatchFit", "default_budget", "max_batch_size", "search"]
+__all__ = ["BatchFit", "default_budget", "max_batch_size", "modelled_gpu", "search"]
 
 
 @dataclass(frozen=True)
@@ -56,24 +57,56 @@ class BatchFit:
         return f"{text}; {self.estimates} estimates"
 
 
-def default_budget(device: torch.device) -> int:
-    """The memory a step on ``device`` may use when no budget is given, in bytes: on a CUDA GPU,
-    its free memory plus what this process's caching allocator holds but does not use
-    (``reserved - allocated``); elsewhere the ``capacity`` of the active
-    :class:`~memlab.sources.tracker.TensorTracker`. ``ValueError`` when there is neither."""
+def default_budget(device: torch.device, gpu: GpuLike | None = None) -> int:
+    """The memory a step on ``device`` may use when no budget is given, in bytes.
+
+    On a CUDA GPU (a machine with CUDA, ``device`` ``cuda``): what this process's caching allocator
+    may still reserve, plus what it holds but does not use (``reserved - allocated``). It may
+    reserve the GPU's free memory (``torch.cuda.mem_get_info``), but no more than the limit
+    ``torch.cuda.set_per_process_memory_fraction`` sets, less what it reserved already:
+    ``mem_get_info`` ignores that limit, the allocator does not (``CUDACachingAllocator.cpp``: a
+    new segment fails beyond ``allowed_memory_maximum``, the fraction times the total memory, which
+    ``torch.cuda.get_per_process_memory_fraction`` reads back divided by it).
+
+    Elsewhere: the ``capacity`` of the active :class:`~memlab.sources.tracker.TensorTracker`; else,
+    for ``device`` ``cuda`` on a machine without CUDA, the total memory of the GPU modelled (``gpu``,
+    or the active tracker's, or :data:`memlab._gpus.DEFAULT_GPU`) less
+    :data:`memlab._gpus.CONTEXT_ALLOWANCE` (the CUDA context). ``ValueError`` when there is none
+    of these, or the GPU's memory is unknown (a GPU given only by its compute capability)."""
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
         free, _total = torch.cuda.mem_get_info(index)
-        return free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        reserved, allocated = torch.cuda.memory_reserved(index), torch.cuda.memory_allocated(index)
+        fraction = torch.cuda.get_per_process_memory_fraction(index)
+        if fraction < 1.0:
+            limit = round(fraction * torch.cuda.get_device_properties(index).total_memory)
+            free = min(free, max(limit - reserved, 0))
+        return free + reserved - allocated
     from memlab.sources.tracker import active_tracker
 
     tracker = active_tracker()
     if tracker is not None and tracker.capacity is not None:
         return tracker.capacity
+    if device.type == "cuda":
+        return modelled_gpu(gpu).default_budget()
     raise ValueError(
         "budget: no CUDA GPU to read free memory from and no active TensorTracker with a capacity; "
         "pass budget as bytes or a size such as '16 GiB'"
     )
+
+
+def modelled_gpu(gpu: GpuLike | None) -> GPU:
+    """The GPU whose allocator and cuBLAS workspaces the estimates of a step model: ``gpu``
+    (:func:`memlab._gpus.resolve_gpu`); without one, the GPU the active
+    :class:`~memlab.sources.tracker.TensorTracker` models (a tracked run's step is estimated for
+    that GPU), else :func:`~memlab._gpus.resolve_gpu`'s default."""
+    if gpu is None:
+        from memlab.sources.tracker import active_tracker
+
+        tracker = active_tracker()
+        if tracker is not None and tracker.gpu is not None:
+            return tracker.gpu
+    return resolve_gpu(gpu)
 
 
 def call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -91,6 +124,7 @@ def max_batch_size(
     headroom: int | str = 0,
     device: torch.device | str | None = None,
     steps: int = 2,
+    gpu: GpuLike | None = None,
 ) -> BatchFit:
     """The largest batch size ``B`` (``low <= B <= high``) at which ``steps`` training steps in a
     row fit in ``budget`` minus ``headroom``: the steady state of training, not only its first
@@ -109,9 +143,13 @@ def max_batch_size(
     copied as by :func:`~memlab.estimate.estimate`, so the model and optimizer it names are
     counted (parameters, gradients, optimizer state) and left untouched. ``budget`` (bytes or a
     size such as ``"16 GiB"``) is the memory the whole step may use, model included; by default
-    :func:`default_budget`. ``device``: whose kernels to mimic, as for ``estimate`` (default: the
-    default device, or ``cuda`` on a GPU machine). What the estimates cannot see (kernel
-    workspaces, the CUDA context) is not in the budget: leave it as ``headroom``.
+    :func:`default_budget` (on a machine without CUDA, for ``cuda``: the GPU's total memory less
+    :data:`memlab._gpus.CONTEXT_ALLOWANCE`). ``device``: whose kernels to mimic, as for
+    ``estimate`` (default: ``cuda`` on a GPU machine or when ``gpu`` is named, else the default
+    device). ``gpu``: the GPU modelled, as for ``estimate`` (its cuBLAS workspaces are counted;
+    default: the active tracker's, else the GPU in use, else :data:`memlab._gpus.DEFAULT_GPU`).
+    What the estimates cannot see (cuDNN workspaces, the CUDA context on a GPU machine) is not in
+    the budget: leave it as ``headroom``.
 
     Sizes are searched by doubling from ``low``, then by bisection: O(log B) estimates, each the
     cost of ``steps`` data-free steps; a step whose peak does not grow with the batch stops at
@@ -128,9 +166,12 @@ def max_batch_size(
     extra = parse_size(headroom, name="headroom")
     if device is not None:
         target = parse_device(device, name="device")
+    elif torch.cuda.is_available() or gpu is not None:
+        target = torch.device("cuda")
     else:
-        target = torch.device("cuda") if torch.cuda.is_available() else torch.get_default_device()
-    limit = default_budget(target) if budget is None else parse_size(budget, name="budget")
+        target = torch.get_default_device()
+    modelled = modelled_gpu(gpu)
+    limit = default_budget(target, modelled) if budget is None else parse_size(budget, name="budget")
     if extra >= limit:
         raise ValueError(
             f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
@@ -138,9 +179,8 @@ def max_batch_size(
     found: dict[int, Estimate | None] = {}
 
     def estimate(size: int, capacity: int | None) -> Estimate:
-        return run_estimate(
-            step, lambda: call_arguments(make_batch(size)), target, steps=steps, capacity=capacity
-        )
+        arguments = lambda: call_arguments(make_batch(size))  # noqa: E731
+        return run_estimate(step, arguments, target, steps=steps, capacity=capacity, gpu=modelled)
 
     def fits(size: int) -> bool:
         if size not in found:

@@ -17,10 +17,11 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memlab._gpus import GpuLike, resolve_gpu
 from memlab._units import parse_size
 from memlab.estimate.copies import named_objects
 from memlab.estimate.estimate import _target, run_estimate
-from memlab.estimate.fit import default_budget, fitting_estimate, search
+from memlab.estimate.fit import default_budget, fitting_estimate, modelled_gpu, search
 
 __all__ = ["AutoBatched", "autobatch"]
 
@@ -50,8 +51,10 @@ class AutoBatched:
         batch_dim: int,
         budget: int | None,
         micro_batch: int | None,
+        gpu: GpuLike | None = None,
     ) -> None:
         functools.update_wrapper(self, loss_fn)
+        self.gpu = gpu
         self.loss_fn = loss_fn
         self.batch_dim = batch_dim
         self.budget = budget
@@ -161,7 +164,8 @@ class AutoBatched:
         memory in a modelled allocator of the budget's size (1 when none fits): doubling, then
         bisection, over estimates of slices of this batch."""
         device = _target(None, leaves)
-        budget = self.budget if self.budget is not None else default_budget(device)
+        gpu = modelled_gpu(self.gpu)
+        budget = self.budget if self.budget is not None else default_budget(device, gpu)
 
         def fits(micro: int) -> bool:
             def run(capacity: int | None) -> Any:
@@ -173,6 +177,7 @@ class AutoBatched:
                     backward=True,
                     steps=2,
                     capacity=capacity,
+                    gpu=gpu,
                 )
 
             return fitting_estimate(run, budget) is not None
@@ -219,6 +224,7 @@ def autobatch(
     batch_dim: int = 0,
     budget: int | str | None = None,
     micro_batch: int | None = None,
+    gpu: GpuLike | None = None,
 ) -> Any:
     """Wrap ``loss_fn``, a function that returns a mean-reduced loss of a batch, so that calling
     the wrapper with a full batch computes it in micro-batches that fit.
@@ -234,11 +240,15 @@ def autobatch(
     (:func:`memlab.estimate`, data-free; two micro-batches in a row, with the gradients already
     accumulated) run without running out of memory in a modelled allocator of ``budget`` bytes
     (bytes or a size such as ``"8 GiB"``; default: the GPU's free memory plus what this
-    process's allocator caches, or on CPU the active ``TensorTracker``'s capacity), estimated
-    once per batch shape. If ``torch.OutOfMemoryError`` happens anyway (memory the estimate
-    cannot see, or held outside ``loss_fn``), the gradients that existed before the step are
-    restored (from host copies made at the start of the call), the micro-batch is halved and
-    the step retried, with a ``RuntimeWarning``; at micro-batches of 1 the error is raised.
+    process's allocator caches, within its memory fraction, or on CPU the active
+    ``TensorTracker``'s capacity: :func:`memlab.estimate.fit.default_budget`), estimated once per
+    batch shape. ``gpu``: the GPU modelled, as for ``memlab.estimate`` (its cuBLAS workspaces are
+    counted; default: the active ``TensorTracker``'s, as the tracked run allocates them, else the
+    GPU in use, else an H100). If ``torch.OutOfMemoryError``
+    happens anyway (memory the estimate cannot see, or held outside ``loss_fn``), the gradients
+    that existed before the step are restored (from host copies made at the start of the call),
+    the micro-batch is halved and the step retried, with a ``RuntimeWarning``; at micro-batches of
+    1 the error is raised.
 
     An empty batch (size 0 along ``batch_dim``) is passed whole, without an estimate: the loss
     and gradients are what ``loss_fn`` gives for it (a mean over nothing is ``nan``).
@@ -254,10 +264,12 @@ def autobatch(
     ):
         raise ValueError(f"micro_batch must be None (choose by estimate) or an int >= 1, got {micro_batch!r}")
     limit = None if budget is None else parse_size(budget, name="budget")
+    if gpu is not None:
+        resolve_gpu(gpu)  # a bad name fails here, not at the first call
 
     def wrap(fn: Callable[..., Any]) -> AutoBatched:
         if not callable(fn):
             raise TypeError(f"autobatch wraps a loss function, got {type(fn).__name__} {fn!r:.80}")
-        return AutoBatched(fn, batch_dim, limit, micro_batch)
+        return AutoBatched(fn, batch_dim, limit, micro_batch, gpu)
 
     return wrap if loss_fn is None else wrap(loss_fn)

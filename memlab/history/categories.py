@@ -15,6 +15,9 @@ them into trace entries), plus ``buffer``, which PyTorch counts as a parameter.
   ``torch.autograd.graph.saved_tensors_hooks`` pack hook while the tracker is active), that had no
   category before (a saved weight stays a ``parameter``).
 - ``input``: a tensor held by the arguments of a profiled call, adopted when the call began.
+- ``workspace``: a cuBLAS or cuBLASLt workspace, which PyTorch allocates at the first matmul of a
+  (thread, stream) on a GPU and keeps (modelled by a tracker for tensors not on a real GPU:
+  :mod:`memlab.sources.workspaces`).
 - ``temporary``: a block freed while its category was still unknown (an intermediate result that
   was never a parameter, gradient, optimizer state, activation or input). Only trace entries of
   freed blocks carry it; live blocks are never temporary.
@@ -36,6 +39,7 @@ __all__ = [
     "PARAMETER",
     "TEMPORARY",
     "UNKNOWN",
+    "WORKSPACE",
     "category_code",
 ]
 
@@ -47,9 +51,10 @@ OPTIMIZER_STATE = "optimizer_state"
 ACTIVATION = "activation"
 INPUT = "input"
 TEMPORARY = "temporary"
+WORKSPACE = "workspace"
 
 #: Every category, by its code in a history (``unknown`` is 0, the code of a new entry).
-CATEGORIES = (UNKNOWN, PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT, TEMPORARY)
+CATEGORIES = (UNKNOWN, PARAMETER, BUFFER, GRADIENT, OPTIMIZER_STATE, ACTIVATION, INPUT, WORKSPACE, TEMPORARY)
 _CODES = {name: code for code, name in enumerate(CATEGORIES)}
 
 

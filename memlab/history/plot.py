@@ -33,7 +33,7 @@ _INSTALL = "plotting needs matplotlib, an optional extra of memlab: pip install 
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
 _CODE_WIDTH = 40  # characters of source shown in a bar's label
 # Seaborn's "muted" palette, as the text and HTML renderers use.
-_COLORS = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979")
+_COLORS = ("#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979", "#d5bb67")
 
 
 def _matplotlib_figure() -> type[Figure]:
@@ -93,7 +93,8 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     """Plot a run's memory over its allocator events: allocated and reserved bytes after each
     event (x: event index, one per allocation, free, or segment released on its own; y: bytes,
     ticks in KiB / MiB / GiB), the allocated bytes stacked by category (``parameter``,
-    ``gradient``, ... as each block's entry carries it; ``unknown`` where none is known), and
+    ``gradient``, ``workspace``, ... as each block's entry carries it; ``unknown`` where none is
+    known), and
     the peak of allocated bytes marked with the ``file:line`` of the allocation that reached it.
 
     ``source``: a ``memlab.TensorTracker`` entered with ``history=True`` (its :meth:`snapshot`

@@ -104,7 +104,8 @@ class LineProfiler(ByCountProfilerMixin):
     numbers come from (and, where no tensor was made on the measured device, says so).
 
     What it cannot see: memory allocated outside PyTorch (and, with the tracker, what a tracker
-    cannot see: kernel workspaces, the CUDA context, NCCL buffers; at adoption, autograd's saved
+    cannot see: cuDNN workspaces, the CUDA context, NCCL buffers; it models cuBLAS's, as the GPU
+    it models allocates them: see :class:`memlab.TensorTracker`; at adoption, autograd's saved
     tensors of a graph alive at entry and tensors held only by C++); with ``CudaSource``, each
     sample resets CUDA's peak counters. Threads: with a tracker, every thread that runs a profiled
     function enters it, and threads started while profiling are counted too; threads that were

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from memlab._gpus import GPU
 from memlab._tensors import live_tensors, storages_of
 from memlab.history import categories
 from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
@@ -38,6 +39,7 @@ __all__ = [
 #: How many of the largest live tensors a capture keeps.
 CULPRITS = 5
 _MODEL_STATE = {categories.PARAMETER, categories.BUFFER, categories.GRADIENT, categories.OPTIMIZER_STATE}
+_NOT_HELD = {*_MODEL_STATE, categories.WORKSPACE}  # what the step needs in every call
 _sequence = itertools.count(1)
 
 
@@ -108,7 +110,9 @@ class OOMCapture:
     ``stats`` are ``memory_stats()`` at that moment (after the allocator's retry path freed its
     unused cached segments). ``snapshot`` is the ``torch.cuda.memory._snapshot()`` dict (with its
     trace where a history was recorded), ``trace_complete`` whether that trace holds every event
-    since the allocator began (what a replay needs).
+    since the allocator began (what a replay needs). ``gpu``: the GPU a tracker's modelled run
+    models (whose cuBLAS workspaces remedies estimated for the step count), ``None`` for a real
+    GPU's error, whose remedies model the GPU in use.
     """
 
     error_id: int
@@ -132,6 +136,7 @@ class OOMCapture:
     note: str | None = None
     kept: dict[int, int] = field(default_factory=dict)
     sequence: int = field(default_factory=lambda: next(_sequence))
+    gpu: GPU | None = None
 
 
 def _largest_free_block(segments: Iterable[dict[str, Any]]) -> int:
@@ -243,7 +248,8 @@ def _held_across_calls(tracker: Any, snapshot: dict[str, Any], call: Call | None
     """Blocks alive now that an earlier call of the step allocated (the step's code is on their
     allocation stack, before this call began) and that this call cannot reach: not held by the
     step's local variables (its arguments included), not a parameter, buffer, gradient or optimizer
-    state. Needs a history (allocation stacks and times); empty otherwise."""
+    state, nor a cuBLAS workspace (kept by PyTorch for every later matmul). Needs a history
+    (allocation stacks and times); empty otherwise."""
     code = None if call is None else call.code
     if code is None or not snapshot["device_traces"] or not snapshot["device_traces"][-1]:
         return []
@@ -266,7 +272,7 @@ def _held_across_calls(tracker: Any, snapshot: dict[str, Any], call: Call | None
             if block["state"] != "active_allocated" or block["address"] in needed:
                 continue
             if (
-                block["category"] in _MODEL_STATE
+                block["category"] in _NOT_HELD
                 or allocated_us.get(block["address"], call.started_us) >= call.started_us
             ):
                 continue
@@ -324,6 +330,7 @@ def capture_tracker_oom(
         largest_free_block=_largest_free_block(segments),
         config="" if config is None else config.source,
         call=call,
+        gpu=tracker.gpu if tracker.workspaces is not None else None,
     )
     was_enabled = gc.isenabled()
     gc.disable()

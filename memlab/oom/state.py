@@ -38,7 +38,9 @@ class AllocatorState:
     failing request of that many bytes (which runs the retry path and fails, as it did), and
     where ``started_us`` is given, the blocks allocated from then on (the failing call's) are
     freed, except those of ``kept`` (``id(storage) -> block address``: the storages that the
-    call's arguments and names hold, which outlive the failure).
+    call's arguments and names hold, which outlive the failure) and the cuBLAS workspaces
+    (``workspaces``: their block addresses; allocated for the process's life, see
+    :mod:`memlab.sources.workspaces`).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class AllocatorState:
         kept: dict[int, int],
         requested: int | None = None,
         started_us: int | None = None,
+        workspaces: frozenset[int] = frozenset(),
     ) -> None:
         self.events = events
         self.config = config
@@ -56,6 +59,7 @@ class AllocatorState:
         self.kept = kept
         self.requested = requested
         self.started_us = started_us
+        self.workspaces = workspaces
 
     def replay(self) -> tuple[CachingAllocatorModel, dict[int, int], dict[int, int]]:
         """``(model, handles, allocated_us)``: the model after the events (and the failing
@@ -87,7 +91,7 @@ class AllocatorState:
         (``None``: no limit), and the handle of each live block by its trace address."""
         model, handles, allocated_us = self.replay()
         if self.started_us is not None:
-            kept = set(self.kept.values())
+            kept = set(self.kept.values()) | self.workspaces
             for addr in [a for a, us in allocated_us.items() if a in handles and us >= self.started_us]:
                 if addr not in kept:
                     model.free(handles.pop(addr))
@@ -100,7 +104,8 @@ class AllocatorState:
     def starter(self, capacity: int | None) -> Callable[[Any, Any], None]:
         """The ``start`` of :func:`memlab.estimate.estimate.run_estimate` that begins the estimate
         from a new :meth:`build` of this state: the copy of each tensor whose storage ``kept``
-        names occupies its original's block instead of being allocated anew."""
+        names occupies its original's block instead of being allocated anew, and the first ops
+        that need a cuBLAS workspace use the state's."""
 
         def start(tracker: Any, copier: Any) -> None:
             model, handles = self.build(capacity)
@@ -115,7 +120,8 @@ class AllocatorState:
                 blocks.append((copied[0], handle))
                 used.add(handle)
                 placed.add(id(copied[0]))
-            tracker.resume(model, blocks)
+            workspaces = sum(1 for addr in self.workspaces if addr in handles)
+            tracker.resume(model, blocks, workspaces=workspaces)
 
         return start
 
@@ -142,6 +148,7 @@ def failure_state(capture: OOMCapture) -> AllocatorState | str:
         capture.kept,
         capture.requested,
         capture.call.started_us,
+        _workspaces(snapshot, device),  # type: ignore[arg-type]
     )
     try:
         model, _, _ = state.replay()
@@ -165,7 +172,23 @@ def state_before_call(capture: OOMCapture, config: str) -> AllocatorState:
     # only what existed when the call began has a block there (a gradient the call made has none)
     kept = {key: addr for key, addr in capture.kept.items() if allocated_us.get(addr, started) < started}
     before = [event for event in events if event[3] < started]
-    return AllocatorState(before, config, capture.capacity, kept)
+    workspaces = _workspaces(capture.snapshot, _trace_index(capture), started)
+    return AllocatorState(before, config, capture.capacity, kept, workspaces=workspaces)
+
+
+def _workspaces(snapshot: dict[str, Any], device: int | None, before_us: int | None = None) -> frozenset[int]:
+    """The addresses of the cuBLAS workspaces among the trace's allocations (allocated before
+    ``before_us``, where given): ``alloc`` entries of category ``workspace``, which a tracker's
+    history marks (never freed: each is live at the end of the trace). A GPU's own trace does not
+    mark them."""
+    traces = snapshot.get("device_traces") or [[]]
+    return frozenset(
+        entry["addr"]
+        for entry in traces[-1 if device is None else device]
+        if entry["action"] == "alloc"
+        and entry.get("category") == categories.WORKSPACE
+        and (before_us is None or entry.get("time_us", 0) < before_us)
+    )
 
 
 def _trace_index(capture: OOMCapture) -> int | None:

@@ -155,8 +155,9 @@ def _peak(
 ) -> int:
     """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps of
     ``micro_batches`` calls each (:class:`Accumulation`), from ``start`` (the state at the failure;
-    an empty allocator where it is unknown) under ``capacity`` bytes (``None``: no limit);
-    ``torch.OutOfMemoryError`` where they do not fit."""
+    an empty allocator where it is unknown) under ``capacity`` bytes (``None``: no limit), counting
+    the cuBLAS workspaces of the GPU the failing run modelled (``capture.gpu``; for a GPU's own
+    error, the GPU in use); ``torch.OutOfMemoryError`` where they do not fit."""
     from memlab.estimate.estimate import run_estimate
 
     calls = min(micro_batches, MICRO_BATCHES_ESTIMATED)
@@ -168,6 +169,7 @@ def _peak(
         capacity=capacity,
         start=start.starter(capacity) if isinstance(start, AllocatorState) else None,
         call_context=Accumulation(calls) if calls > 1 else None,
+        gpu=capture.gpu,
     ).peak_reserved
 
 

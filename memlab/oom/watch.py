@@ -401,7 +401,9 @@ def explain_oom(
     no statistic is read while no error happens. What it cannot see: errors raised where no
     watch is active, the allocator state of a GPU error raised before CUDA was initialized when
     the watch began (only its traceback and message are then reported), and what the tracker
-    cannot see (kernel workspaces, the CUDA context, memory allocated outside PyTorch).
+    cannot see (cuDNN workspaces, the CUDA context, memory allocated outside PyTorch). A GPU's own
+    trace does not mark its cuBLAS workspaces, so step remedies estimated from a GPU's state count
+    them again (conservative, by their size).
     """
     watch = OOMWatch(batch_dim=batch_dim, stream=stream, snapshot_dir=snapshot_dir, remedies=remedies)
     if func is None:

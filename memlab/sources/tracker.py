@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from memlab._autocast import DisabledCudaRegions, unwatch, watch
 from memlab._devices import resolve_device
+from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._tensors import call_roots, check_optimizer, live_storages, storages_of
 from memlab._units import parse_size
 from memlab.history import categories
@@ -33,6 +34,7 @@ from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 from memlab.sources.resizes import follow_resizes, resizable_arguments, sizes_before
 from memlab.sources.threads import follow_new_threads, unreachable_threads
+from memlab.sources.workspaces import CublasWorkspaces, workspace_ops
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
@@ -48,8 +50,8 @@ _active: list[TensorTracker] = []  # one item per entry, in any thread, innermos
 _active_lock = threading.Lock()
 #: Called as ``observer(tracker, storage, nbytes, error)`` when a tracker's modelled allocator raises
 #: ``torch.OutOfMemoryError`` for ``storage`` (``nbytes`` bytes; a new storage, or one grown by
-#: ``resize_``), before the error leaves the op (:mod:`memlab.oom` captures the state of that
-#: moment). Nothing runs otherwise.
+#: ``resize_``; for a cuBLAS workspace, an empty storage on its device), before the error leaves
+#: the op (:mod:`memlab.oom` captures the state of that moment). Nothing runs otherwise.
 OOM_OBSERVERS: list[Callable[[TensorTracker, torch.UntypedStorage, int, torch.OutOfMemoryError], None]] = []
 _AT = ("now", "peak")  # the moments by_category can report
 
@@ -140,7 +142,15 @@ class TensorTracker(TorchDispatchMode):
 
     ``allocator="cuda"`` (default) replays the events through :class:`CachingAllocatorModel`, so
     statistics are those the CUDA caching allocator would report (512 B rounding, 2 MiB / 20 MiB
-    segments, caching); ``allocator=None`` counts exact bytes (reserved = allocated = requested).
+    segments, caching), on the GPU ``gpu`` names (:func:`memlab._gpus.resolve_gpu`: a name such as
+    ``"A100"``, a compute capability ``"sm90"`` or ``(9, 0)``; default: the GPU in use on a machine
+    with CUDA, else :data:`memlab._gpus.DEFAULT_GPU`, an H100), kept as :attr:`gpu`: for tensors
+    that are not on a real GPU (a CPU or ``meta`` run, fake tensors), the first op that takes a
+    cuBLAS handle on a (device, stream, thread) allocates that GPU's cuBLAS workspace in the model,
+    as PyTorch does, and keeps it (category ``workspace``; :mod:`memlab.sources.workspaces`, whose
+    :class:`~memlab.sources.workspaces.CublasWorkspaces` is :attr:`workspaces`). On a real GPU the
+    GPU's allocator holds it, and the tracker allocates none. ``allocator=None`` counts exact bytes
+    (reserved = allocated = requested) and models no GPU.
     ``capacity`` (bytes or a string such as ``"8 GiB"``) is every device's total memory: an op whose
     result would not fit raises ``torch.OutOfMemoryError`` where the modelled GPU would.
     ``adopt=True`` counts, at the first entry, the tensors that already exist and that ``gc`` can
@@ -169,12 +179,12 @@ class TensorTracker(TorchDispatchMode):
     made before) are not counted: :attr:`threads_not_counted` names those that are not daemons.
     Activations of other threads are not categorised in the history.
 
-    What a tracker cannot see: kernel workspaces (cuBLAS, cuDNN) and temporaries allocated inside a
-    single op, the CUDA context, NCCL buffers and what collectives allocate in C++ (gloo's
-    reduce-scatter copies its input), memory allocated outside PyTorch's dispatcher
-    (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions), storages resized while it is
-    not active or by C++ code, ``torch.cuda.empty_cache()`` calls in the measured code, and backend
-    choices that differ by device (e.g. attention kernels).
+    What a tracker cannot see: cuBLAS workspaces on a real GPU (the GPU's allocator holds them),
+    cuDNN workspaces and temporaries allocated inside a single op, the CUDA context, NCCL buffers
+    and what collectives allocate in C++ (gloo's reduce-scatter copies its input), memory allocated
+    outside PyTorch's dispatcher (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions),
+    storages resized while it is not active or by C++ code, ``torch.cuda.empty_cache()`` calls in
+    the measured code, and backend choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
 
     Trackers nest (the innermost one is :func:`active_tracker`). One exited before a mode entered
@@ -190,6 +200,7 @@ class TensorTracker(TorchDispatchMode):
         history: bool | int | None = None,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        gpu: GpuLike | None = None,
     ) -> None:
         super().__init__()
         if allocator not in _ALLOCATORS:
@@ -197,6 +208,10 @@ class TensorTracker(TorchDispatchMode):
                 f"allocator must be 'cuda' (the CUDA caching allocator model) or None (exact bytes); "
                 f"got {allocator!r}"
             )
+        if gpu is not None and allocator is None:
+            raise ValueError(f"gpu={gpu!r} needs allocator='cuda': allocator=None models no GPU")
+        self._gpu: GPU | None = None if gpu is None else resolve_gpu(gpu)  # a bad name fails here
+        self._workspaces: CublasWorkspaces | None = None
         if not isinstance(adopt, bool):
             raise TypeError(f"adopt must be True or False, got {type(adopt).__name__} {adopt!r}")
         self.allocator = allocator
@@ -218,6 +233,7 @@ class TensorTracker(TorchDispatchMode):
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
         self._resumed: Any = None  # the allocator the first device starts from (see resume)
+        self._resumed_workspaces = 0  # how many workspaces it holds
         self._seen: dict[torch.device, None] = {}  # devices of tracked storages, in order
         self._live: dict[int, _StorageRef] = {}
         self._pending: deque[_StorageRef] = deque()
@@ -491,6 +507,8 @@ class TensorTracker(TorchDispatchMode):
                         inputs = {id(s) for s in found}
                     if id(storage) not in inputs:
                         self._track(storage)
+            if self.allocator is not None and func.overloadpacket in workspace_ops():
+                self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[union-attr]
         return out
 
     def adopt_from_call(self, frame: FrameType) -> None:
@@ -572,11 +590,15 @@ class TensorTracker(TorchDispatchMode):
     def _allocator_for(self, device: torch.device) -> Any:
         allocator = self._allocators.get(device)
         if allocator is None:
+            if self._resumed_workspaces and self._resumed is not None and self.workspaces is not None:
+                self.workspaces.present(device, self._resumed_workspaces)
             allocator, self._resumed = self._resumed or self._new_allocator(), None
             self._allocators[device] = allocator
         return allocator
 
-    def resume(self, allocator: Any, blocks: Iterable[tuple[torch.UntypedStorage, int]] = ()) -> None:
+    def resume(
+        self, allocator: Any, blocks: Iterable[tuple[torch.UntypedStorage, int]] = (), workspaces: int = 0
+    ) -> None:
         """Count on the first device from ``allocator`` as it is (an allocator model with cached
         segments and allocated blocks: a process's state replayed from its history, say) instead
         of a new, empty allocator of the tracker's settings: the allocator's own ``capacity``,
@@ -587,10 +609,13 @@ class TensorTracker(TorchDispatchMode):
         freed when the storage is. The allocator's other allocated blocks stay allocated (memory
         that no storage the tracker sees holds). Call it before the tracker counts anything;
         ``ValueError`` otherwise, or when the storages are on several devices, or one is
-        counted twice."""
+        counted twice. ``workspaces``: how many of the other blocks are cuBLAS workspaces, which the
+        first ops that need one on that device use instead of allocating their own
+        (:meth:`~memlab.sources.workspaces.CublasWorkspaces.present`)."""
         if self._allocators or self._live:
             raise ValueError("resume: the tracker has counted storages already; resume it before it counts")
         self._resumed = allocator
+        self._resumed_workspaces = workspaces
         for storage, handle in blocks:
             if self._allocator_for(storage.device) is not allocator:
                 raise ValueError(f"resume: every storage must be on one device; {storage.device} is another")
@@ -638,6 +663,39 @@ class TensorTracker(TorchDispatchMode):
                 self._resize(ref, storage)
             elif storage.nbytes():
                 self._track(storage)  # a storage not counted, given a new block here: that block is new
+
+    @property
+    def gpu(self) -> GPU | None:
+        """The GPU modelled (``allocator="cuda"``; else ``None``), read at first use: on a machine
+        with CUDA the GPU in use (which initializes CUDA), else :data:`memlab._gpus.DEFAULT_GPU`."""
+        if self.allocator is None:
+            return None
+        if self._gpu is None:
+            self._gpu = resolve_gpu(None)
+        return self._gpu
+
+    @property
+    def workspaces(self) -> CublasWorkspaces | None:
+        """The cuBLAS workspaces of :attr:`gpu` (``None`` with ``allocator=None``), made at first
+        use: the environment's workspace settings are read then, as PyTorch reads them at a
+        process's first matmul."""
+        if self._workspaces is None and self.allocator is not None:
+            self._workspaces = CublasWorkspaces(self.gpu)  # type: ignore[arg-type]
+        return self._workspaces
+
+    def _allocate_workspace(self, device: torch.device, nbytes: int) -> None:
+        """Allocate a cuBLAS workspace of ``nbytes`` on ``device``'s allocator, for good (category
+        ``workspace``); an out-of-memory error names an empty storage on ``device`` to the observers."""
+        allocator = self._allocator_for(device)
+        if device not in self._seen:
+            self._seen[device] = None
+        try:
+            handle = allocator.malloc(nbytes) if nbytes else None
+        except torch.OutOfMemoryError as error:
+            self._out_of_memory(torch.UntypedStorage(0, device=device), nbytes, error)
+            raise
+        if handle is not None and allocator.history is not None:
+            allocator.history.set_category(allocator._extent(handle)[0], categories.WORKSPACE)
 
     def _resize(self, ref: _StorageRef, storage: torch.UntypedStorage) -> None:
         # resize_bytes_cuda: to 0 bytes it frees the block; to any other size it allocates the new

@@ -12,6 +12,9 @@ import memlab
 from memlab.history import categories
 
 KEYS = ("allocated_bytes.all.peak", "active_bytes.all.peak", "reserved_bytes.all.peak")
+#: An H100's cuBLAS workspace (the GPU estimates model here): one per thread that runs a matmul,
+#: the forward's and the autograd thread's that runs backward (memlab.sources.workspaces).
+WORKSPACE = 32 * 2**20
 
 
 def cnn() -> torch.nn.Module:
@@ -105,8 +108,10 @@ def test_estimate_of_a_training_step_equals_the_tracked_real_run(name):
 
 
 def test_published_check_two_linear_layers():
-    """PyTorch issue tracker, measured on a GPU: 16,777,728 B after the forward, 20,972,032 B after
-    the backward (two bias-free Linear(1024, 1024), input (4, 256, 1024))."""
+    """PyTorch issue tracker, measured on a GPU: 16,777,728 B of tensors after the forward,
+    20,972,032 B after the backward (two bias-free Linear(1024, 1024), input (4, 256, 1024)); with
+    the cuBLAS workspaces a GPU allocates through the caching allocator on top: the forward
+    thread's, then the autograd thread's (none with ``CUBLAS_WORKSPACE_CONFIG=:0:0``)."""
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
     )
@@ -120,8 +125,14 @@ def test_published_check_two_linear_layers():
         loss.backward()
         return loss
 
-    assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728
-    assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == 20_972_032
+    assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728 + WORKSPACE
+    assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == (
+        20_972_032 + 2 * WORKSPACE
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+        assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728
+        assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == 20_972_032
 
 
 def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
@@ -148,9 +159,10 @@ def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
         "activation": activation,
         "temporary": activation + 512,  # the hidden layer's gradient, and backward's seed (a scalar 1)
         "unknown": 512,  # the loss, a 4-byte scalar in a 512-byte block
+        "workspace": 2 * WORKSPACE,  # the forward thread's and the autograd thread's
     }
     assert estimate.by_category("peak") == expected
-    assert estimate.peak_allocated == sum(expected.values()) == 25_166_848
+    assert estimate.peak_allocated == sum(expected.values()) == 25_166_848 + 2 * WORKSPACE
     end = estimate.by_category("end")
     assert (end["gradient"], end["activation"], end["temporary"]) == (2 * weight, 0, 0)
 
@@ -191,7 +203,11 @@ def test_a_module_and_a_bound_method_are_copied_as_the_function():
     x = torch.randn(32, 256)
     by_module = memlab.estimate(model, x)
     by_method = memlab.estimate(model.forward, x)
-    assert by_module.peak_allocated == by_method.peak_allocated == 256 * 256 * 4 + 1024 + 2 * 32 * 256 * 4
+    assert (
+        by_module.peak_allocated
+        == by_method.peak_allocated
+        == (256 * 256 * 4 + 1024 + 2 * 32 * 256 * 4 + WORKSPACE)
+    )
     assert by_module.by_category("end")["parameter"] == 256 * 256 * 4 + 1024
 
 
@@ -286,13 +302,15 @@ def test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see():
     text = repr(memlab.estimate(forward, model, torch.randn(256, 1024)))
     assert text.splitlines()[:3] == [
         "memlab estimate of test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see.<locals>."
-        "forward on cpu (fake tensors; CUDA caching allocator modelled; 1 step)",
-        "peak allocated 6.00M, active 6.00M, reserved 24.00M",
-        "at the end: allocated 5.00M, reserved 24.00M",
+        "forward on cpu (fake tensors; H100 (sm90) modelled: CUDA caching allocator, cuBLAS workspaces; "
+        "1 step)",
+        "peak allocated 38.00M, active 38.00M, reserved 56.00M",
+        "at the end: allocated 37.00M, reserved 56.00M",
     ]
-    assert "not seen: kernel workspaces (cuBLAS, cuDNN)" in text
+    assert "\nworkspace           32.00M    32.00M\n" in text
+    assert "not seen: cuDNN workspaces and temporaries inside one kernel, the CUDA context" in text
     html = memlab.estimate(forward, model, torch.randn(256, 1024))._repr_html_()
-    assert "<b>6.00M</b>" in html and "<td>parameter</td><td>4.00M</td><td>4.00M</td>" in html
+    assert "<b>38.00M</b>" in html and "<td>parameter</td><td>4.00M</td><td>4.00M</td>" in html
 
 
 def test_fits_compares_peak_reserved_with_a_budget():
@@ -317,7 +335,11 @@ def test_line_profile_gives_the_line_profiler_table_without_allocating():
     estimate = memlab.estimate(forward_backward, model, torch.randn(4, 256, 1024))
     columns = ["allocated_bytes.all.current"]
     frame = estimate.line_profile(columns=columns).to_dataframe(columns=columns)
-    assert list(frame["allocated_bytes.all.current"]) == [12_582_912, 16_777_728, 20_972_032, 20_972_032]
+    tensors = [12_582_912, 16_777_728, 20_972_032, 20_972_032]
+    workspaces = [0, WORKSPACE, 2 * WORKSPACE, 2 * WORKSPACE]  # forward's matmul, then backward's
+    assert list(frame["allocated_bytes.all.current"]) == [
+        t + w for t, w in zip(tensors, workspaces, strict=True)
+    ]
     assert frame.attrs["source"] == (
         "estimated (fake tensors, cpu's kernels; memlab.estimate): CUDA caching allocator replayed from meta "
         "tensors (memlab.TensorTracker); 3 tensor storages (12.00M) existed before profiling"
@@ -358,9 +380,10 @@ def test_device_meta_runs_meta_kernels_which_allocate_differently_for_a_gru():
 
 @pytest.mark.cuda
 def test_estimate_of_a_gpu_step_is_close_to_the_gpus_own_peak():
-    """On a GPU the estimate runs fake CUDA tensors (CUDA's own kernels). cuBLAS/cuDNN workspaces
-    are allocated through the caching allocator on a GPU but not seen by an estimate, hence the
-    tolerance; the numbers are printed for the README."""
+    """On a GPU the estimate runs fake CUDA tensors (CUDA's own kernels) and models the GPU in
+    use, cuBLAS workspaces included. cuDNN workspaces are allocated through the caching allocator
+    on a GPU but not seen by an estimate, hence the tolerance; the numbers are printed for the
+    README."""
     torch.manual_seed(0)
     model = encoder().cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -480,3 +503,137 @@ def test_losses_that_keep_a_full_storage_are_counted_as_their_kernels_allocate(l
     model.zero_grad(set_to_none=True)
     keys = (*KEYS, "allocated_bytes.all.current")
     assert {key: estimate.stats[key] for key in keys} == {key: stats[key] for key in keys}
+
+
+# -- the GPU an estimate models: its cuBLAS workspaces ------------------------------------------------
+H100_WORKSPACE = 4096 * 8 * 1024  # CublasHandlePool.cpp: parseChosenWorkspaceSize, sm90: ":4096:8"
+A100_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # any other GPU: ":4096:2:16:8"
+
+
+def linear_step():
+    """The bias-free Linear(1024, 1024) on a (64, 1024) float32 input that needs no gradient."""
+    layer = torch.nn.Linear(1024, 1024, bias=False)
+    x = torch.randn(64, 1024)
+
+    def step(layer, x):
+        return layer(x)
+
+    return step, layer, x
+
+
+def test_the_linear_step_for_an_h100_and_an_a100_differs_by_their_workspaces():
+    step, layer, x = linear_step()
+    h100 = memlab.estimate(step, layer, x, device="cuda", gpu="H100")
+    a100 = memlab.estimate(step, layer, x, device="cuda", gpu="A100")
+    weight, batch, out = 1024 * 1024 * 4, 64 * 1024 * 4, 64 * 1024 * 4  # each a multiple of 512 B
+    assert h100.peak_allocated == weight + batch + out + H100_WORKSPACE
+    assert a100.peak_allocated == weight + batch + out + A100_WORKSPACE
+    assert h100.peak_allocated - a100.peak_allocated == H100_WORKSPACE - A100_WORKSPACE == 25_034_752
+    assert h100.by_category("peak")["workspace"] == h100.by_category("end")["workspace"] == H100_WORKSPACE
+    assert (h100.gpu.name, a100.gpu.name) == ("H100", "A100")
+    assert repr(a100).splitlines()[0] == (
+        "memlab estimate of linear_step.<locals>.step on cuda (fake tensors; A100 (sm80) modelled: CUDA "
+        "caching allocator, cuBLAS workspaces; 1 step)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "workspace"),
+    [
+        (":4096:2", 4096 * 1024 * 2),
+        (":4096:2:16", 4096 * 1024 * 2),
+        (":16:8:16:8", 2 * 16 * 1024 * 8),
+        (":0:0", 0),
+    ],
+)
+def test_cublas_workspace_config_changes_the_estimate_as_pytorchs_parser_would(
+    monkeypatch, config, workspace
+):
+    step, layer, x = linear_step()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    for gpu in ("H100", "A100"):  # the configuration replaces either default
+        estimate = memlab.estimate(step, layer, x, device="cuda", gpu=gpu)
+        assert estimate.peak_allocated == 1024 * 1024 * 4 + 2 * 64 * 1024 * 4 + workspace
+
+
+def test_a_malformed_cublas_workspace_config_warns_and_keeps_the_default(monkeypatch):
+    step, layer, x = linear_step()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "4096:8")
+    with pytest.warns(UserWarning, match="^Could not parse CUBLAS_WORKSPACE_CONFIG, using default workspace"):
+        estimate = memlab.estimate(step, layer, x, device="cuda", gpu="A100")
+    assert estimate.by_category("end")["workspace"] == A100_WORKSPACE
+
+
+def test_a_step_without_a_matmul_allocates_no_workspace():
+    x = torch.randn(64, 1024)
+    estimate = memlab.estimate(lambda x: torch.nn.functional.gelu(x).softmax(-1), x, device="cuda")
+    assert estimate.by_category("peak")["workspace"] == 0
+    assert estimate.peak_allocated == 3 * 64 * 1024 * 4
+
+
+def test_a_training_step_has_the_forward_threads_and_the_autograd_threads_workspaces():
+    layer = torch.nn.Linear(1024, 1024, bias=False)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def step(layer, optimizer, x):
+        optimizer.zero_grad()
+        layer(x).sum().backward()
+        optimizer.step()
+
+    estimate = memlab.estimate(
+        step, layer, optimizer, torch.randn(64, 1024), device="cuda", gpu="A100", steps=2
+    )
+    assert estimate.by_category("end")["workspace"] == 2 * A100_WORKSPACE
+    keys = [key[3] for key in estimate.tracker.workspaces.keys]
+    assert len(keys) == 2 and keys[1] == "autograd"
+
+
+def test_naming_a_gpu_estimates_for_cuda_and_every_estimate_names_its_gpu():
+    step, layer, x = linear_step()
+    named = memlab.estimate(step, layer, x, gpu=(8, 0))
+    assert named.device.type == "cuda" and named.gpu.name == "A100"
+    on_cpu = memlab.estimate(step, layer, x)
+    assert on_cpu.device.type == "cpu" and on_cpu.gpu.name == "H100"  # a tracked CPU run models one too
+    assert on_cpu.by_category("end")["workspace"] == H100_WORKSPACE
+    with pytest.raises(ValueError, match=r"^gpu 'Z80' is not a GPU memlab knows; valid: a GPU name"):
+        memlab.estimate(step, layer, x, gpu="Z80")
+
+
+def test_convolutions_on_cuda_name_cudnns_workspace_in_the_caveats():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 2))
+
+    def step(model, x):
+        model(x).sum().backward()
+
+    x = torch.randn(2, 3, 8, 8)
+    on_cuda = memlab.estimate(step, model, x, device="cuda")
+    (caveat,) = [c for c in on_cuda.caveats if "cuDNN" in c]
+    assert caveat == (
+        "aten.convolution, aten.convolution_backward ran: on CUDA, cuDNN allocates a workspace through the "
+        "caching allocator for each convolution call (forward and backward) and frees it when the call "
+        "returns; its size depends on the algorithm cuDNN picks at run time (torch.backends.cudnn.benchmark, "
+        "the free memory), so it is not modelled and can raise the peak by the largest such workspace "
+        "(aten/src/ATen/native/cudnn/Conv_v8.cpp)."
+    )
+    assert f"caveat: {caveat}" in repr(on_cuda)
+    assert not any("cuDNN" in c for c in memlab.estimate(step, model, x, device="cpu").caveats)
+    linear_only = memlab.estimate(lambda x: x @ x, torch.randn(8, 8), device="cuda")
+    assert linear_only.caveats == []
+
+
+def test_the_estimate_hands_its_gpu_to_cudas_kernels(monkeypatch):
+    from memlab.estimate import kernels
+
+    made = []
+    original = kernels.CudaKernels.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self.gpu.name)
+
+    monkeypatch.setattr(kernels.CudaKernels, "__init__", record)
+    step, layer, x = linear_step()
+    memlab.estimate(step, layer, x, gpu="L4")
+    memlab.estimate(step, layer, x, device="cuda")
+    assert made == ["L4", "H100"]
+    assert kernels.CudaKernels().gpu.name == "H100"

@@ -9,7 +9,12 @@ import torch
 
 import memlab
 from memlab._units import format_size
+from memlab.estimate.fit import default_budget
 from memlab.history import categories
+
+#: 48 MiB for the step's tensors, and the two 32 MiB cuBLAS workspaces of the H100 the estimates
+#: and the tracked runs model (the forward's thread's and the autograd thread's).
+BUDGET = 48 * 2**20 + 2 * 32 * 2**20
 
 
 def problem():
@@ -56,7 +61,7 @@ def trains(size: int, budget: int, steps: int = 3, trained: int = 0) -> bool:
 
 def test_the_answer_trains_for_three_steps_and_one_more_does_not():
     model, optimizer, step = problem()
-    budget = 48 * 2**20
+    budget = BUDGET
     fit = memlab.max_batch_size(step, make_batch, budget)
     size = fit.batch_size
     assert (fit.steps, fit.next_size) == (2, size + 1) and size > 1
@@ -69,7 +74,7 @@ def test_the_answer_trains_for_three_steps_and_one_more_does_not():
     # the user's model and optimizer are untouched
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
     text = repr(fit)
-    assert text.startswith(f"largest batch that fits in 48.00M for 2 steps in a row: {size} (peak reserved ")
+    assert text.startswith(f"largest batch that fits in 112.00M for 2 steps in a row: {size} (peak reserved ")
     assert f"; {size + 1} needs " in repr(fit)
 
 
@@ -77,7 +82,7 @@ def test_the_first_steps_answer_runs_out_of_memory_in_the_second_step():
     """Step 1's peak (in backward) has no optimizer state yet; AdamW's state, two tensors the size
     of the parameters, is alive in every later step. The first step's answer is too large."""
     _, _, step = problem()
-    budget = 48 * 2**20
+    budget = BUDGET
     first = memlab.max_batch_size(step, make_batch, budget, steps=1)
     steady = memlab.max_batch_size(step, make_batch, budget)
     assert first.batch_size > steady.batch_size
@@ -90,7 +95,7 @@ def test_a_model_that_has_trained_keeps_its_state_in_the_answer():
     model, optimizer, step = problem()
     step(*make_batch(8))  # gradients and AdamW state exist now
     grads = [p.grad.clone() for p in model.parameters()]
-    budget = 48 * 2**20
+    budget = BUDGET
     fit = memlab.max_batch_size(step, make_batch, budget)
     assert fit.estimate.method == "fake"
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
@@ -102,11 +107,11 @@ def test_a_model_that_has_trained_keeps_its_state_in_the_answer():
 def test_headroom_and_bounds():
     _, _, step = problem()
     one = memlab.estimate(step, *make_batch(1), steps=2).peak_reserved
-    with_headroom = memlab.max_batch_size(step, make_batch, "48 MiB", headroom=48 * 2**20 - one + 1)
+    with_headroom = memlab.max_batch_size(step, make_batch, "112 MiB", headroom=BUDGET - one + 1)
     assert with_headroom.batch_size == 0 and with_headroom.estimate is None
     assert with_headroom.next_size == 1 and with_headroom.next_estimate.peak_reserved == one
     assert repr(with_headroom).endswith(f": 0; 1 needs {format_size(one)}; 2 estimates")
-    capped = memlab.max_batch_size(step, make_batch, "48 MiB", low=3, high=5)
+    capped = memlab.max_batch_size(step, make_batch, "112 MiB", low=3, high=5)
     assert (capped.batch_size, capped.next_estimate, capped.next_size, capped.estimates) == (5, None, None, 2)
 
 
@@ -121,10 +126,10 @@ def test_the_size_that_needs_the_bytes_is_the_one_named():
 
 def test_default_budget_is_the_active_trackers_capacity():
     _, _, step = problem()
-    with memlab.TensorTracker(capacity="48 MiB"):
+    with memlab.TensorTracker(capacity="112 MiB"):
         in_tracker = memlab.max_batch_size(step, make_batch)
-    assert in_tracker.budget == 48 * 2**20
-    assert in_tracker.batch_size == memlab.max_batch_size(step, make_batch, "48 MiB").batch_size
+    assert in_tracker.budget == BUDGET
+    assert in_tracker.batch_size == memlab.max_batch_size(step, make_batch, "112 MiB").batch_size
     with pytest.raises(
         ValueError, match="budget: no CUDA GPU to read free memory from and no active TensorTracker"
     ):
@@ -164,3 +169,87 @@ def test_a_step_whose_memory_does_not_grow_with_the_batch_needs_high():
         "): pass high= to bound the search"
     )
     assert memlab.max_batch_size(step, make_batch, "1 GiB", high=64).batch_size == 64
+
+
+# -- default budgets ----------------------------------------------------------------------------------
+class FakeCuda:
+    """What ``default_budget`` reads of a GPU, for a machine without one: ``mem_get_info``, the
+    caching allocator's reserved and allocated bytes, the per-process fraction and the total."""
+
+    def __init__(self, free: int, total: int, reserved: int, allocated: int, fraction: float = 1.0) -> None:
+        self.free, self.total, self.reserved, self.allocated, self.fraction = (
+            free,
+            total,
+            reserved,
+            allocated,
+            fraction,
+        )
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda index: (self.free, self.total))
+        monkeypatch.setattr(cuda, "memory_reserved", lambda index: self.reserved)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda index: self.allocated)
+        # CUDACachingAllocator.cpp: getMemoryFraction is allowed_memory_maximum / totalGlobalMem
+        monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda index: self.fraction)
+        properties = type("Properties", (), {"total_memory": self.total})()
+        monkeypatch.setattr(cuda, "get_device_properties", lambda index: properties)
+
+
+GIB = 2**30
+
+
+def test_on_a_gpu_the_default_budget_is_free_memory_plus_what_the_allocator_caches(monkeypatch):
+    FakeCuda(free=60 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB).install(monkeypatch)
+    assert default_budget(torch.device("cuda")) == 60 * GIB + 6 * GIB
+
+
+def test_a_per_process_memory_fraction_caps_the_default_budget(monkeypatch):
+    # set_per_process_memory_fraction(0.25) on an 80 GiB GPU: the allocator may reserve 20 GiB in
+    # all, 10 GiB more than it holds, although mem_get_info reports 60 GiB free
+    FakeCuda(free=60 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB, fraction=0.25).install(
+        monkeypatch
+    )
+    assert default_budget(torch.device("cuda")) == 10 * GIB + 6 * GIB
+    # a fraction above what is free leaves the free memory as the limit
+    FakeCuda(free=5 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB, fraction=0.5).install(
+        monkeypatch
+    )
+    assert default_budget(torch.device("cuda")) == 5 * GIB + 6 * GIB
+    # reserved beyond the limit already (the fraction lowered later): only the cached bytes remain
+    FakeCuda(free=60 * GIB, total=80 * GIB, reserved=10 * GIB, allocated=4 * GIB, fraction=0.1).install(
+        monkeypatch
+    )
+    assert default_budget(torch.device("cuda")) == 6 * GIB
+
+
+def test_the_fraction_is_read_back_to_the_allocators_byte_limit(monkeypatch):
+    total = 85_899_345_920  # an 80 GiB GPU
+    allowed = int(0.3 * total)  # static_cast<size_t>(fraction * totalGlobalMem)
+    FakeCuda(free=total, total=total, reserved=0, allocated=0, fraction=allowed / total).install(monkeypatch)
+    assert default_budget(torch.device("cuda")) == allowed
+
+
+def test_without_a_gpu_the_default_budget_for_cuda_is_the_modelled_gpus_memory_less_the_context():
+    from memlab._gpus import CONTEXT_ALLOWANCE, GPUS
+
+    assert default_budget(torch.device("cuda")) == GPUS["H100"].total_memory - CONTEXT_ALLOWANCE
+    assert default_budget(torch.device("cuda"), "A100-40GB") == 40_960 * 2**20 - 512 * 2**20
+    with memlab.TensorTracker(gpu="L4"):
+        assert default_budget(torch.device("cuda")) == 23_034 * 2**20 - 512 * 2**20  # the tracker's GPU
+    with memlab.TensorTracker(gpu="L4", capacity="1 GiB"):
+        assert default_budget(torch.device("cuda")) == GIB  # a capacity comes first
+    with pytest.raises(ValueError, match=r"^gpu sm120 has no known total memory: name a GPU"):
+        default_budget(torch.device("cuda"), "sm120")
+
+
+def test_max_batch_size_for_a_named_gpu_defaults_to_cuda_and_its_memory():
+    _, _, step = problem()
+    fit = memlab.max_batch_size(step, make_batch, gpu="T4", high=64)
+    assert fit.budget == 15_360 * 2**20 - 512 * 2**20
+    assert (fit.batch_size, fit.estimate.device.type, fit.estimate.gpu.name) == (64, "cuda", "T4")
+    assert fit.estimate.by_category("end")["workspace"] == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+    with pytest.raises(ValueError, match=r"^gpu 'Z80' is not a GPU memlab knows"):
+        memlab.max_batch_size(step, make_batch, gpu="Z80")

@@ -35,7 +35,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(map(_blocks, storages.values()))
 
 
-def test_the_category_names_are_pytorchs_plus_buffer():
+def test_the_category_names_are_pytorchs_plus_buffer_and_workspace():
     assert CATEGORIES == (
         "unknown",
         "parameter",
@@ -44,12 +44,13 @@ def test_the_category_names_are_pytorchs_plus_buffer():
         "optimizer_state",
         "activation",
         "input",
+        "workspace",
         "temporary",
     )
 
 
 def test_an_unknown_category_is_a_value_error_naming_the_valid_ones():
-    valid = "unknown, parameter, buffer, gradient, optimizer_state, activation, input, temporary"
+    valid = "unknown, parameter, buffer, gradient, optimizer_state, activation, input, workspace, temporary"
     with pytest.raises(ValueError, match=f"category must be one of {valid}; got 'weights'"):
         category_code("weights")
 

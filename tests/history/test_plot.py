@@ -76,7 +76,7 @@ def test_plotted_lines_are_the_trackers_allocated_and_reserved_bytes_after_each_
     allocated, reserved = replayed_stats(trace)
     plotted = lines(memlab.plot_memory(tracker))
     assert plotted == {"allocated": allocated, "reserved": reserved}
-    assert len(allocated) == 24
+    assert len(allocated) == 26  # 24, and the cuBLAS workspaces of forward's and backward's threads
     stats = tracker.memory_stats()
     assert (allocated[-1], reserved[-1]) == (
         stats["allocated_bytes.all.current"],
@@ -172,9 +172,17 @@ def test_the_peak_is_marked_with_the_file_and_line_that_allocated_it():
     (ax,) = memlab.plot_memory(tracker).axes
     (annotation,) = ax.texts
     peak = max(lines(ax.figure)["allocated"])
-    assert peak == 56_243_712
-    assert annotation.get_text() == f"peak 53.64 MiB at test_plot.py:{line}"
-    assert annotation.xy == (17, peak)
+    assert peak == 56_243_712 + 2 * 32 * MiB  # and the two 32 MiB cuBLAS workspaces of an H100
+    assert annotation.get_text() == f"peak 117.64 MiB at test_plot.py:{line}"
+    assert annotation.xy == (19, peak)
+
+
+def test_the_cublas_workspaces_are_a_category_of_their_own():
+    tracker, _line = training_run()
+    (ax,) = memlab.plot_memory(tracker).axes
+    _handles, labels = ax.get_legend_handles_labels()
+    stacked = ["allocated: workspace", "allocated: temporary", "allocated: activation"]
+    assert labels == [*stacked, "reserved", "allocated"]
 
 
 def test_allocated_bytes_are_stacked_by_each_entrys_category():

@@ -4,6 +4,7 @@ an estimate of the failing step."""
 from __future__ import annotations
 
 import gc
+import importlib
 import io
 
 import pytest
@@ -14,7 +15,10 @@ from memlab.oom.capture import Call
 from memlab.oom.step import checkpointed, find_batch, repeated_blocks
 
 MIB = 1 << 20
-CAPACITY = "80 MiB"
+#: 80 MiB for tensors, and the two 32 MiB cuBLAS workspaces of the H100 the tracker models (the
+#: forward's thread's and the autograd thread's), each a segment of its own.
+WORKSPACES = 64 * MIB
+CAPACITY = 80 * MIB + WORKSPACES
 
 
 @pytest.fixture(autouse=True)
@@ -86,15 +90,16 @@ def test_the_micro_batch_remedy_is_the_largest_whose_accumulated_steps_fit_from_
     assert report.verdict == "shortage"
     remedy = next(r for r in report.remedies if r.kind == "micro_batch")
     assert remedy.details == {
-        "micro_batch": 256,
+        "micro_batch": 170,
         "batch": 4096,
-        "accumulation_steps": 16,
-        "largest_fitting": 256,
+        "accumulation_steps": 25,
+        "largest_fitting": 170,
     }
-    assert remedy.action == "micro-batches of 256 (of 4096), 16 accumulation steps"
-    assert (remedy.peak_reserved, remedy.fits, remedy.unsure) == (78 * MIB, True, None)
-    # applied right after the failure, with the 32 MiB batch still live: the estimated peak
-    assert _accumulate(tracker, *live, micro=256) == 78 * MIB
+    assert remedy.action == "micro-batches of 170 (of 4096), 25 accumulation steps"
+    assert (remedy.peak_reserved, remedy.fits, remedy.unsure) == (144 * MIB, True, None)
+    # applied right after the failure, with the 32 MiB batch and the forward's workspace (allocated
+    # in the failing call) still live: the estimated peak
+    assert _accumulate(tracker, *live, micro=170) == 144 * MIB
 
 
 def test_the_next_micro_batch_and_one_estimated_from_an_empty_allocator_run_out_of_memory_when_applied():
@@ -104,7 +109,7 @@ def test_the_next_micro_batch_and_one_estimated_from_an_empty_allocator_run_out_
         train_step, lambda b: (model, optimizer, x[:b].clone(), y[:b].clone()), budget=CAPACITY, high=4096
     )
     assert fit.batch_size == 1024
-    for micro in (257, 1024):
+    for micro in (171, 1024):
         _, tracker, live = _failing_step(remedies=False)
         with pytest.raises(torch.OutOfMemoryError):
             _accumulate(tracker, *live, micro=micro)
@@ -119,8 +124,8 @@ def test_the_bf16_and_checkpointing_remedies_are_two_steps_estimated_from_the_st
     assert remedies["checkpointing"].details == {"block": "Block", "blocks": 4}
     assert remedies["checkpointing"].action == "activation checkpointing of the 4 Block blocks"
     # neither fits; what each would need, from that state and without a limit
-    assert (remedies["autocast_bf16"].peak_reserved, remedies["autocast_bf16"].fits) == (190 * MIB, False)
-    assert (remedies["checkpointing"].peak_reserved, remedies["checkpointing"].fits) == (182 * MIB, False)
+    assert (remedies["autocast_bf16"].peak_reserved, remedies["autocast_bf16"].fits) == (266 * MIB, False)
+    assert (remedies["checkpointing"].peak_reserved, remedies["checkpointing"].fits) == (246 * MIB, False)
     tracker.reset_peak_memory_stats()
     with tracker, pytest.raises(torch.OutOfMemoryError), checkpointed(Block):
         train_step(model, optimizer, x, y)
@@ -131,7 +136,7 @@ def test_remedies_are_listed_in_order_each_with_its_number():
     report, _, _ = _failing_step()
     assert [r.kind for r in report.remedies] == ["micro_batch", "autocast_bf16", "checkpointing"]
     lines = report.text().splitlines()
-    start = lines.index("remedies (predicted peak reserved, capacity 80.00M):")
+    start = lines.index("remedies (predicted peak reserved, capacity 144.00M):")
     for remedy, line in zip(report.remedies, lines[start + 1 : start + 4], strict=True):
         assert line.startswith(f"  {remedy.action}")
         assert line.endswith(
@@ -152,3 +157,25 @@ def test_no_step_no_step_remedies():
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(48 * MIB // 4)
     assert watch.report.remedies == ()
+
+
+def test_step_remedies_model_the_gpu_of_the_tracker_that_failed(monkeypatch):
+    estimate_module = importlib.import_module("memlab.estimate.estimate")  # memlab.estimate is the function
+    modelled = []
+    original = estimate_module.run_estimate
+
+    def recording(*args, **kwargs):
+        estimate = original(*args, **kwargs)
+        modelled.append((estimate.gpu.name, estimate.tracker.workspaces.sizes.cublas))
+        return estimate
+
+    monkeypatch.setattr(estimate_module, "run_estimate", recording)
+    watched = memlab.explain_oom(train_step, stream=io.StringIO())
+    with memlab.TensorTracker(capacity="80 MiB", history=True, gpu="A100"):
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(4096, 1024), torch.randn(4096, 1024)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, optimizer, x, y)
+    assert memlab.oom.last_report().remedies
+    assert modelled and set(modelled) == {("A100", 4096 * 1024 * 2 + 16 * 1024 * 8)}

@@ -457,7 +457,9 @@ def test_meta_run_matches_cpu_run(allocator):
     with memlab.TensorTracker(allocator=allocator) as on_meta:
         _kept_on_meta = training_step("meta", on_meta, optimizer_class=sgd)
     cpu, meta = on_cpu.memory_stats("cpu"), on_meta.memory_stats("meta")
-    assert cpu["allocation.all.allocated"] == 25  # 6 inputs and parameters, 6 forward, 9 backward, 4 momenta
+    # 6 inputs and parameters, 6 forward, 9 backward, 4 momenta; the CUDA model adds the cuBLAS
+    # workspaces of the forward's thread and of the autograd thread that runs backward on a GPU
+    assert cpu["allocation.all.allocated"] == (25 if allocator is None else 27)
     for key in (
         "allocation.all.allocated",
         "allocated_bytes.all.peak",
