@@ -21,6 +21,7 @@ __all__ = [
     "LiveStorage",
     "call_roots",
     "check_optimizer",
+    "check_tensor",
     "live_storages",
     "live_tensors",
     "on_device",
@@ -39,6 +40,12 @@ SPARSE_PARTS = {
     torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
+
+
+def check_tensor(tensor: object) -> None:
+    """``TypeError`` unless ``tensor`` is a ``torch.Tensor``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__} {tensor!r:.80}")
 
 
 def check_optimizer(optimizer: object) -> None:
