@@ -17,7 +17,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _push_mode
@@ -31,7 +31,13 @@ from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import Stack, capture_stack, is_own_code, make_history
 from memlab.history.series import memory_series
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
+from memlab.sources.modules import ModuleRecorder
 from memlab.sources.threads import follow_new_threads, unreachable_threads
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from memlab.sources.module_table import ModuleTable
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
@@ -152,6 +158,13 @@ class TensorTracker(TorchDispatchMode):
     detached views of the same storages, so values and gradients are unchanged). With
     ``history`` off none of this runs.
 
+    Memory per module (:meth:`by_module`): while the tracker is active and knows a model, PyTorch's
+    global module hooks and gradient hooks record each module's forward and backward peaks and
+    the activations it saves (:mod:`memlab.sources.modules`; the pack hook above is installed for
+    it, with or without history). ``modules=True`` also records the models the code calls that
+    the tracker was not given (each module called while no known model runs forward);
+    ``modules=False`` records none.
+
     Threads: a dispatch mode belongs to the thread that entered it. The tracker also counts the ops
     of every thread started through :mod:`threading` while it is active (it enters them before
     their first line, :mod:`memlab.sources.threads`); such a thread still running after the tracker
@@ -180,6 +193,7 @@ class TensorTracker(TorchDispatchMode):
         history: bool | int | None = None,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        modules: bool | None = None,
     ) -> None:
         super().__init__()
         if allocator not in _ALLOCATORS:
@@ -189,6 +203,13 @@ class TensorTracker(TorchDispatchMode):
             )
         if not isinstance(adopt, bool):
             raise TypeError(f"adopt must be True or False, got {type(adopt).__name__} {adopt!r}")
+        if modules is not None and not isinstance(modules, bool):
+            raise TypeError(
+                f"modules must be None (the known models), True (also those called) or False, got "
+                f"{type(modules).__name__} {modules!r:.80}"
+            )
+        #: What :meth:`by_module` reads (``None`` with ``modules=False``).
+        self.module_recorder = None if modules is False else ModuleRecorder(self, discover=modules is True)
         self.allocator = allocator
         self.adopt_on_enter = adopt
         #: ``(storages, bytes)`` adopted by each call of :meth:`adopt` that found any, in order.
@@ -257,7 +278,9 @@ class TensorTracker(TorchDispatchMode):
         self.threads_not_counted.pop(threading.get_ident(), None)
         if self.adopt_on_enter and not self.adoptions:
             self.adopt()
-        if self.history:
+        if first and self._records_modules():
+            self.module_recorder.start()  # type: ignore[union-attr]
+        if self.history or self._records_modules():
             saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             saved.__enter__()
             here.saved = [*getattr(here, "saved", ()), saved]
@@ -287,6 +310,8 @@ class TensorTracker(TorchDispatchMode):
             self._stop_following()
             self._stop_following = None
             unwatch(self.disabled_cuda_autocast)
+            if self.module_recorder is not None:
+                self.module_recorder.stop()
             self._categorising = False
             while self._hooks:
                 self._hooks.pop().remove()
@@ -330,6 +355,8 @@ class TensorTracker(TorchDispatchMode):
             self._models.append(weakref.ref(model))
             if self._categorising:
                 self._hook_model(model)
+            if self._entries and self.module_recorder is not None:
+                self.module_recorder.start()
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Categorise the tensors of ``optimizer.state`` as ``optimizer_state`` in the history, after
@@ -372,8 +399,14 @@ class TensorTracker(TorchDispatchMode):
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._categorise_optimizer(optimizer)
 
+    def _records_modules(self) -> bool:
+        recorder = self.module_recorder
+        return recorder is not None and (recorder.discover or bool(self.models))
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._categorise(tensor, categories.ACTIVATION)
+        if self.module_recorder is not None:
+            self.module_recorder.saved(tensor)
         # Not ``tensor`` itself: a saved output would then hold its own grad_fn, a reference cycle
         # through C++ that gc cannot break (the graph and its activations would never be freed).
         return tensor.detach()
@@ -634,6 +667,19 @@ class TensorTracker(TorchDispatchMode):
             return None
         return ref.allocator._extent(ref.handle)[0]
 
+    def block_size(self, tensor: torch.Tensor) -> int | None:
+        """The bytes of the modelled block that holds ``tensor``'s (first) storage, as
+        ``allocated_bytes`` counts it, or ``None`` where the tracker did not count that storage."""
+        _check_tensor(tensor)
+        if self._pending:
+            self._drain()
+        storages: list[torch.UntypedStorage] = []
+        _collect_storages(tensor, storages)
+        ref = self._live.get(id(storages[0])) if storages else None
+        if ref is None or ref.handle is None or ref() is not storages[0]:
+            return None
+        return ref.allocator.block_size(ref.handle)
+
     def _drain(self) -> None:
         pending, live = self._pending, self._live
         with self._lock:
@@ -767,6 +813,39 @@ class TensorTracker(TorchDispatchMode):
                 if block["allocated"]:
                     totals[history.block_context(block["address"])[1]] += block["size"]
         return totals
+
+    def module_table(self, device: torch.device | str | int | None = None) -> ModuleTable:
+        """The records behind :meth:`by_module` (``device=None`` read as by :meth:`memory_stats`):
+        its ``text()`` and ``html()`` render them highest peak first. ``ValueError`` with
+        ``modules=False`` or when the tracker knows no model (``model=``, :meth:`add_model`,
+        ``modules=True``)."""
+        if not self._records_modules():
+            raise ValueError(
+                "by_module needs a model: TensorTracker(model=...), tracker.add_model(model), or "
+                "TensorTracker(modules=True) to record every model the code calls"
+                + ("; this tracker has modules=False" if self.module_recorder is None else "")
+            )
+        allocator = self._stats_allocator(device)
+        return self.module_recorder.table(next(d for d, a in self._allocators.items() if a is allocator))  # type: ignore[union-attr]
+
+    def by_module(self, device: torch.device | str | int | None = None) -> pd.DataFrame:
+        """Memory per module of the known models on ``device`` (read as by :meth:`memory_stats`):
+        a DataFrame indexed by module path (``named_modules()``: the root ``""``, then
+        ``layers.0``, ``layers.0.attn``; a further model's paths after its class name) with
+        ``type``, ``calls`` (forward calls), ``forward_peak`` / ``backward_peak`` (the highest
+        allocated bytes while that module's forward / backward ran, everything alive counted,
+        ``<NA>`` where none ran; the maximum over its calls), ``parameter``, ``gradient``,
+        ``optimizer_state`` (the blocks of its own parameters, their gradients and optimizer
+        state now; a shared parameter counts in its first module) and ``activation`` (the most
+        bytes that ops inside the module, not inside a child, held saved for backward at once).
+        Bytes as the modelled allocator counts blocks; storages the tracker did not count are 0.
+
+        A backward runs from the moment the first gradient reaches the module's outputs to the
+        moment the gradients of all its positional inputs are computed (to the end of the
+        backward pass where its inputs need none). Recorded only while the tracker is active;
+        ``ValueError`` as for :meth:`module_table`. See :class:`memlab.sources.modules.ModuleRecorder`
+        for what it cannot see."""
+        return self.module_table(device).to_dataframe()
 
     @property
     def devices(self) -> list[torch.device]:
