@@ -25,6 +25,7 @@ from memlab._tensors import live_tensors, storages_of
 from memlab.history import categories
 from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
 from memlab.sources.allocator.config import allocation_size, round_size
+from memlab.sources.tracker import active_tracker
 
 __all__ = [
     "Call",
@@ -108,7 +109,10 @@ class OOMCapture:
     ``stats`` are ``memory_stats()`` at that moment (after the allocator's retry path freed its
     unused cached segments). ``snapshot`` is the ``torch.cuda.memory._snapshot()`` dict (with its
     trace where a history was recorded), ``trace_complete`` whether that trace holds every event
-    since the allocator began (what a replay needs).
+    since the allocator began (what a replay needs). ``module`` is ``(path, "forward" | "backward")``
+    of the module that was running and ``activations`` ``(path, bytes)`` of the module whose saved
+    tensors held the most, where a tracker recorded memory per module
+    (:meth:`memlab.TensorTracker.by_module`); ``None`` otherwise.
     """
 
     error_id: int
@@ -131,6 +135,8 @@ class OOMCapture:
     call: Call | None = None
     note: str | None = None
     kept: dict[int, int] = field(default_factory=dict)
+    module: tuple[str, str] | None = None
+    activations: tuple[str, int] | None = None
     sequence: int = field(default_factory=lambda: next(_sequence))
 
 
@@ -325,6 +331,7 @@ def capture_tracker_oom(
         config="" if config is None else config.source,
         call=call,
     )
+    _modules_at_oom(capture, tracker, device)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -340,6 +347,15 @@ def capture_tracker_oom(
         if was_enabled:
             gc.enable()
     return capture
+
+
+def _modules_at_oom(capture: OOMCapture, tracker: Any, device: torch.device) -> None:
+    """The module running and the one holding the most activations on ``device``, where
+    ``tracker`` records memory per module."""
+    recorder = None if tracker is None else tracker.module_recorder
+    if recorder is not None and recorder.active:
+        capture.module = recorder.running()
+        capture.activations = recorder.most_activations(device)
 
 
 def capture_cuda_oom(
@@ -371,6 +387,7 @@ def capture_cuda_oom(
         trace_complete=bool(traces and device < len(traces) and traces[device]),  # checked by a replay
         call=call,
     )
+    _modules_at_oom(capture, active_tracker(), torch.device("cuda", device))
     capture.culprits = _culprits(torch.device("cuda", device), call, None, None)
     if capture.trace_complete:
         capture.kept = kept_blocks(call, lambda t: _cuda_block(t, device))
