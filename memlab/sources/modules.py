@@ -26,6 +26,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_leaves
 
 from memlab._tensors import storages_of
+from memlab.sources.module_paths import ModulePaths
 from memlab.sources.module_table import ModuleRow, ModuleTable
 
 __all__ = ["ModuleRecord", "ModuleRecorder"]
@@ -87,12 +88,11 @@ class ModuleRecorder:
     """Records memory per module for ``tracker`` between :meth:`start` and :meth:`stop` (the
     tracker calls them as it becomes active and inactive; records are kept across entries).
 
-    Modules are named by their path in a model the tracker knows (``tracker.models``): the first
-    model's paths as ``named_modules()`` gives them (the root ``""``), the modules of each further
-    model after its class name (``CrossEntropyLoss``, ``Discriminator.layers.0``; ``#2``, ``#3``
-    after a class name two models share). With ``discover``, a module called while no module of
-    a known model runs forward becomes such a model itself (``memlab run --by-module``). Other
-    modules are not recorded: their memory counts in the module that called them.
+    Modules are named by their path in a model the tracker knows (``tracker.models``), as
+    :class:`~memlab.sources.module_paths.ModulePaths` names them (the first model's root ``""``,
+    further models' after their class name). With ``discover``, a module called while no module
+    of a model runs forward becomes a model itself (``memlab run --by-module``). Other modules are
+    not recorded: their memory counts in the module that called them.
 
     A forward run again during backward (activation checkpointing's recomputation) is no forward
     call: its memory counts in the backward of the modules whose backward runs.
@@ -104,13 +104,10 @@ class ModuleRecorder:
 
     def __init__(self, tracker: Any, discover: bool = False) -> None:
         self._tracker = tracker
-        self.discover = discover
+        #: The paths modules are recorded under.
+        self.paths = ModulePaths(lambda: tracker.models, discover)
         #: One record per module path, in the order modules were first seen.
         self.records: dict[str, ModuleRecord] = {}
-        self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        self._outside: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-        self._found: list[weakref.ref[torch.nn.Module]] = []  # models discovered, in order
-        self._prefixes: set[str] = set()
         self._open: list[_Run] = []
         self._samplers: dict[torch.device, Callable[[], tuple[int, ...]]] = {}
         self._current: dict[torch.device, int] = {}
@@ -154,45 +151,14 @@ class ModuleRecorder:
             self._end_queued = None
 
     # -- names ---------------------------------------------------------------------------------
+    @property
+    def discover(self) -> bool:
+        """Whether models the code calls that the tracker was not given are recorded too."""
+        return self.paths.discover
+
     def models(self) -> list[torch.nn.Module]:
-        """The models modules are named in, in naming order: the tracker's, then those discovered."""
-        found = [model for model in (ref() for ref in self._found) if model is not None]
-        return [*self._tracker.models, *found]
-
-    def _name_models(self) -> None:
-        for model in self.models():
-            prefix = self._names.get(model)
-            if prefix is None:
-                prefix = self._new_prefix(model)
-            for path, module in model.named_modules(prefix=prefix):
-                if module not in self._names:
-                    self._names[module] = path
-
-    def _new_prefix(self, model: torch.nn.Module) -> str:
-        name = "" if not self._prefixes else type(model).__name__
-        number = 1
-        while (name if number == 1 else f"{name}#{number}") in self._prefixes:
-            number += 1
-        prefix = name if number == 1 else f"{name}#{number}"
-        self._prefixes.add(prefix)
-        return prefix
-
-    def _path(self, module: torch.nn.Module) -> str | None:
-        """The path of ``module``, or ``None`` for a module outside every known model."""
-        path = self._names.get(module)
-        if path is not None:
-            return path
-        if self._outside.get(module) == len(self.models()):
-            return None
-        self._name_models()
-        path = self._names.get(module)
-        if path is None and self.discover and not self._forward_running():
-            self._found.append(weakref.ref(module))
-            self._name_models()
-            path = self._names.get(module)
-        if path is None:  # asked again only once the models change
-            self._outside[module] = len(self.models())
-        return path
+        """The models modules are named in (see :class:`~memlab.sources.module_paths.ModulePaths`)."""
+        return self.paths.models()
 
     def _record(self, path: str, module: torch.nn.Module) -> ModuleRecord:
         record = self.records.get(path)
@@ -243,14 +209,14 @@ class ModuleRecorder:
             return
         if torch._C._current_graph_task_id() != -1:
             return  # recomputed for backward (activation checkpointing): the backward of its callers
-
         with self._lock:
-            path = self._path(module)
+            top = self._forward_running() is None
+            path = self.paths.path(module, top)
             if path is None:
                 return
             record = self._record(path, module)
             record.calls += 1
-            if self._forward_running() is None:  # a model's forward: its weights may have changed
+            if top:  # a model's forward: its weights may have changed
                 self._weights = {id(s) for model in self.models() for s in _weight_storages(model)}
             run = self._open_run(record, False, id(module))
         if torch.is_grad_enabled():
@@ -393,10 +359,7 @@ class ModuleRecorder:
         share counts in the first), as the tracker's blocks of them (0 for storages it did not
         count)."""
         with self._lock:
-            self._name_models()
-            live: dict[str, torch.nn.Module] = {}
-            for module, path in list(self._names.items()):
-                live.setdefault(path, module)
+            live = self.paths.named()
             paths = list(dict.fromkeys([*live, *self.records]))
             optimizers = self._tracker.optimizers
             seen: set[int] = set()

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import memlab
+from memlab.sources.module_paths import ModulePaths
 from memlab.sources.module_table import ModuleRow, ModuleTable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -380,3 +381,19 @@ def test_html_sorts_by_peak() -> None:
     starts = [page.index(f">{name}</td>") for name in ("(root)", "embed", "head", "unused")]
     assert starts == sorted(starts)
     assert page.startswith("<p>memory per module on cuda, highest peak first</p>")
+
+
+def test_paths_name_each_module_once_the_first_model_first() -> None:
+    first, second, third = nn.Sequential(nn.Linear(1, 1)), nn.Sequential(nn.ReLU()), nn.Sequential(nn.ReLU())
+    shared = first[0]
+    second.append(shared)
+    paths = ModulePaths(lambda: [first, second, third])
+    assert [paths.path(m) for m in (first, shared, second, second[0], third[0])] == [
+        "",
+        "0",  # named in the first model, which holds it too
+        "Sequential",
+        "Sequential.0",
+        "Sequential#2.0",
+    ]
+    assert paths.path(nn.Linear(1, 1), top=True) is None  # not discovering
+    assert list(paths.named()) == ["", "0", "Sequential", "Sequential.0", "Sequential#2", "Sequential#2.0"]
