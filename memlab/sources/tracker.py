@@ -348,6 +348,10 @@ class TensorTracker(TorchDispatchMode):
         :meth:`by_category` walk the model again. Storages the tracker did not count (created
         before it was entered, without ``adopt``) have no block to categorise. The tracker keeps a
         weak reference to the model.
+
+        Memory per module (:meth:`by_module`) is recorded for the model while the tracker is active
+        (unless ``modules=False``); added while active, from then on, its activations from the
+        tracker's next entry (the pack hook is installed at entry).
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__} {model!r:.80}")
