@@ -21,6 +21,7 @@ from memlab.line_profiler.records import EXTRA_COLUMNS, TIME, validate_columns
 from memlab.sources.stats import STAT_KEYS
 
 __all__ = [
+    "BY_MODULE_OPTION",
     "COLUMN_OPTION",
     "FUNCTION_OPTION",
     "GPU_OPTION",
@@ -57,6 +58,11 @@ COLUMN_OPTION: dict[str, Any] = {
     "default": [],
     "help": f"a statistic to show besides {', '.join(DEFAULT_COLUMNS)}: any key of "
     "torch.cuda.memory_stats(), hits, delta or time; repeat for several",
+}
+BY_MODULE_OPTION: dict[str, Any] = {
+    "action": "store_true",
+    "help": "also show the memory per module of every model the code calls (forward and backward peaks, "
+    "parameters, gradients, optimizer state, activations), highest peak first",
 }
 NO_DEFAULT_COLUMNS_OPTION: dict[str, Any] = {"action": "store_true", "help": "hide the default columns"}
 GPU_OPTION: dict[str, Any] = {

@@ -23,6 +23,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from memlab._arguments import (
+    BY_MODULE_OPTION,
     COLUMN_OPTION,
     FUNCTION_OPTION,
     GPU_OPTION,
@@ -33,7 +34,7 @@ from memlab._arguments import (
     check_snapshot_path,
     columns_shown,
 )
-from memlab._devices import parse_device
+from memlab._devices import cuda_device_exists, parse_device
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
 from memlab._outputs import check_output_path
 from memlab.history.recording import collect_unwritten, snapshot_recorded
@@ -144,6 +145,7 @@ class MemlabMagics(Magics):
     @argument("-T", "--dump-profile", metavar="FILE", help="also write the table shown, as text, to FILE")
     @argument("--snapshot", **SNAPSHOT_OPTION)
     @argument("--plot", **PLOT_OPTION)
+    @argument("--by-module", **BY_MODULE_OPTION)
     @argument("statement", nargs="*", help="code to run (line magic); in cell magic, the cell")
     @line_cell_magic
     @needs_local_scope
@@ -164,6 +166,9 @@ class MemlabMagics(Magics):
         allocation, or on a CUDA GPU PyTorch's own, recorded while the code runs.
         Returns the table (HTML in a notebook, text in a terminal); with ``-r`` shows
         it and returns the profiler. If the code raises, the table so far is shown first.
+        ``--by-module`` also shows the memory per module of every model the code calls
+        (:meth:`memlab.TensorTracker.by_module`, highest peak first; ``-f`` is then optional),
+        measured by a tracker that adopts what ``gc`` can reach when the magic starts.
         """
         options, statement = split_statement(line)
         args = parse_argstring(self.mlrun, options)
@@ -175,9 +180,10 @@ class MemlabMagics(Magics):
             raise UsageError(
                 "no statement to run: write %mlrun -f FUNC statement, or %%mlrun -f FUNC over a cell"
             )
-        if not args.function:
+        if not args.function and not args.by_module:
             raise UsageError(
-                "name the functions to profile with -f FUNC (name, Class.method or module:qualname)"
+                "name the functions to profile with -f FUNC (name, Class.method or module:qualname), or "
+                "show the memory per module with --by-module"
             )
         try:
             columns = columns_shown(args.no_default_columns, args.column)
@@ -201,21 +207,29 @@ class MemlabMagics(Magics):
             )
         except ValueError as error:
             raise UsageError(str(error)) from None
-        recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        recording = contextlib.ExitStack()
         unwritten: list[str] = []
-        if args.snapshot is not None or args.plot is not None:
+        tracker = None
+        snapshot = args.snapshot is not None or args.plot is not None
+        if snapshot or args.by_module:
             device, _ = measured_device(profiler.target_gpu)
-            tracker = TensorTracker(adopt=True, history=True)
-            on_error = collect_unwritten(unwritten, args.snapshot, args.plot)
-            recording = snapshot_recorded(args.snapshot, device, tracker, args.plot, on_error=on_error)
+            tracker = TensorTracker(adopt=True, history=snapshot, modules=True if args.by_module else None)
+            if args.by_module and (not snapshot or cuda_device_exists(device)):
+                recording.enter_context(tracker)  # else snapshot_recorded enters it
+            if snapshot:
+                on_error = collect_unwritten(unwritten, args.snapshot, args.plot)
+                recording.enter_context(
+                    snapshot_recorded(args.snapshot, device, tracker, args.plot, on_error=on_error)
+                )
         try:
-            with recording, profiler:
+            with recording, profiler if args.function else contextlib.nullcontext():
                 for statement_code, bound in code.statements:
                     exec(statement_code, self.shell.user_ns, local_ns)
                     watch.look_up(rebound=bound)
         except BaseException:
             with contextlib.suppress(Exception):  # the code's own error matters more than the table
                 self._show(profiler, watch.functions(), columns, args, unwritten=unwritten)
+                self._show_modules(tracker, args)
             raise
         try:
             functions = watch.check()
@@ -224,6 +238,7 @@ class MemlabMagics(Magics):
         stats = self._show(
             profiler, functions, columns, args, returned=not args.return_profiler, unwritten=unwritten
         )
+        self._show_modules(tracker, args)
         if args.return_profiler:
             return profiler
         return stats
@@ -257,6 +272,11 @@ class MemlabMagics(Magics):
             return stats
         display(stats)
         return None
+
+    def _show_modules(self, tracker: TensorTracker | None, args: Any) -> None:
+        """Display the memory per module with ``--by-module`` (unless quiet)."""
+        if tracker is not None and args.by_module and not args.quiet:
+            display(tracker.module_table())
 
     @magic_arguments()
     @argument("-v", "--verbose", action="store_true", help="Also list tensors sharing a storage.")

@@ -366,3 +366,49 @@ def test_load_ipython_extension_needs_the_shell() -> None:
     assert str(error.value) == (
         "ipython must be the IPython shell (get_ipython(), or what %load_ext memlab passes), got int 5"
     )
+
+
+MODEL_CELL = """\
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU())
+def work():
+    model(torch.randn(64, 256)).sum().backward()
+work()
+"""
+# The module table of MODEL_CELL on CPU (the CUDA allocator model): a 1 MiB weight and a 4 KiB bias,
+# the batch (64 KiB, saved by the Linear), its output and the ReLU's (256 KiB each, the ReLU saves its own),
+# and the modelled H100's 32 MiB cuBLAS workspaces: the forward thread's from the Linear's forward on,
+# the autograd thread's from the Linear's backward on.
+MODULE_ROWS = [
+    "module  type        calls  forward  backward  parameter  gradient  optimizer  activation",
+    "(root)  Sequential      1   33.57M    66.32M      0.00B     0.00B      0.00B       0.00B",
+    "0       Linear          1   33.32M    66.32M      1.00M     1.00M      0.00B      64.00K",
+    "1       ReLU            1   33.57M    33.57M      0.00B     0.00B      0.00B     256.00K",
+]
+
+
+def test_by_module_shows_the_memory_per_module_without_naming_a_function(ip: Any) -> None:
+    result, captured = run(ip, "%%mlrun --by-module\n" + MODEL_CELL)
+    assert result.error_in_exec is None and result.result is None
+    (shown,) = captured.outputs
+    assert shown.data["text/plain"].splitlines()[0] == "memory per module on cpu, highest peak first"
+    assert shown.data["text/plain"].splitlines()[3:] == MODULE_ROWS
+    assert not torch_module_hooks()
+
+
+def test_by_module_with_functions_shows_both_tables(ip: Any) -> None:
+    result, captured = run(ip, "%%mlrun -f work --by-module\n" + MODEL_CELL)
+    assert rows(result.result) == [  # the line's peak is the model's backward peak
+        ("1.00M", "2.00M", "3", "def work():"),
+        ("66.32M", "68.00M", "4", "model(torch.randn(64, 256)).sum().backward()"),  # two 32 MiB workspaces
+    ]
+    (shown,) = captured.outputs
+    assert shown.data["text/plain"].splitlines()[3:] == MODULE_ROWS
+    quiet, captured = run(ip, "%%mlrun -q --by-module\n" + MODEL_CELL)
+    assert quiet.result is None and captured.outputs == []
+
+
+def torch_module_hooks() -> dict[int, Any]:
+    import torch
+
+    return dict(torch.nn.modules.module._global_forward_pre_hooks)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from memlab._arguments import (
+    BY_MODULE_OPTION,
     COLUMN_OPTION,
     FUNCTION_OPTION,
     GPU_OPTION,
@@ -102,10 +103,13 @@ def _program_tracker(
     snapshot: str | None = None,
     plot: str | None = None,
     unwritten: list[str] | None = None,
-) -> contextlib.AbstractContextManager[Any]:
+    by_module: bool = False,
+) -> tuple[contextlib.AbstractContextManager[Any], TensorTracker]:
     """A :class:`memlab.TensorTracker` for the whole program when ``profiler`` would measure through
-    one (its target is not a CUDA GPU present here), else nothing: the profiler uses the tracker
-    entered, which has seen every tensor since the program's first line.
+    one (its target is not a CUDA GPU present here) or ``by_module`` asks for memory per module
+    (the tracker then records every model the program calls), else nothing: the profiler uses
+    the tracker entered, which has seen every tensor since the program's first line. Returns the
+    context to run the program in and the tracker.
 
     With ``snapshot`` (a path), the memory snapshot of the run is written there at the end: the
     tracker's (entered even when the profiler measures otherwise, with ``history`` on), or on a
@@ -115,14 +119,25 @@ def _program_tracker(
     """
     device, _ = measured_device(profiler.target_gpu)
     recording = snapshot is not None or plot is not None
-    tracker = TensorTracker(history=recording)
+    tracker = TensorTracker(history=recording, modules=True if by_module else None)
     tracker.counted_from = "the program's first line"
     if recording:
         on_error = None if unwritten is None else collect_unwritten(unwritten, snapshot, plot)
-        return snapshot_recorded(snapshot, device, tracker, plot, on_error=on_error)
-    if profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device):
-        return tracker
-    return contextlib.nullcontext()
+        recorded = snapshot_recorded(snapshot, device, tracker, plot, on_error=on_error)
+        if by_module and cuda_device_exists(device):  # PyTorch records the snapshot; the tracker the modules
+            return _both(tracker, recorded), tracker
+        return recorded, tracker
+    if by_module or (profiler.source in (None, "auto", "tracker") and not cuda_device_exists(device)):
+        return tracker, tracker
+    return contextlib.nullcontext(), tracker
+
+
+@contextlib.contextmanager
+def _both(*contexts: contextlib.AbstractContextManager[Any]) -> Any:
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def profile_program(
@@ -134,6 +149,7 @@ def profile_program(
     snapshot: str | None = None,
     plot: str | None = None,
     gather: bool = False,
+    by_module: bool = False,
 ) -> int:
     """Run ``program`` with ``@memlab.profile`` functions and ``functions`` profiled, print their
     table to stdout (also when the program raises or exits) and return the program's exit status.
@@ -160,6 +176,10 @@ def profile_program(
     in their names (``out.rank1.json``), and measures ``cuda:LOCAL_RANK`` by default where there
     are GPUs; with ``gather``, rank 0 also prints the table merged across ranks
     (:func:`memlab.distributed.gather`) and writes it to ``output`` itself.
+
+    ``by_module``: also print the memory per module of every model the program calls
+    (:meth:`memlab.TensorTracker.by_module`, highest peak first), measured by the program's
+    tracker (also on a GPU, where it models the allocator), after the table.
     """
     _output_format(output)
     _check_paths(snapshot, plot)
@@ -191,8 +211,9 @@ def profile_program(
     except ValueError as error:
         raise CommandError(str(error)) from None
     unwritten: list[str] = []
+    context, tracker = _program_tracker(profiler, snapshot, plot, unwritten, by_module)
     try:
-        with watch.watching_imports(), _program_tracker(profiler, snapshot, plot, unwritten), explain_oom():
+        with watch.watching_imports(), context, explain_oom():
             if functions:
                 with profiler:
                     status = program.run()
@@ -207,6 +228,9 @@ def profile_program(
         if ranks is not None:
             print(f"memlab run: rank {ranks.rank} of {ranks.world_size}", flush=True)
         unwritten += _print_and_write(profiler, shown, columns, output)
+    if by_module:
+        sys.stdout.write(("\n" if shown else "") + tracker.module_table().text())
+        sys.stdout.flush()
     if gather:
         merged = gather_ranks(profiler, shown, status)
         if merged is not None:
@@ -225,7 +249,7 @@ def profile_program(
             raise CommandError(str(error)) from None
         print(f"memlab run: {error}", file=sys.stderr)  # the program's own failure comes first
         return status
-    if not shown:
+    if not shown and not by_module:
         print(
             "memlab run: nothing was profiled: decorate functions with @memlab.profile or name them with -f",
             file=sys.stderr,
@@ -235,14 +259,14 @@ def profile_program(
 
 class RunCommand:
     """``memlab run [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE]
-    [--plot FILE] [--gather] script.py [args...]``."""
+    [--plot FILE] [--gather] [--by-module] script.py [args...]``."""
 
     help = "run a script (or -m module) and print the memory of its profiled functions, line by line"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.usage = (
             "%(prog)s [-f FUNC]... [-c COL]... [-D] [-g DEVICE] [-o FILE] [--snapshot FILE] [--plot FILE] "
-            "[--gather] (script.py | -m module) [args...]"
+            "[--gather] [--by-module] (script.py | -m module) [args...]"
         )
         parser.description = (
             "Run a Python script as __main__ with its own arguments, like kernprof, and print the "
@@ -272,6 +296,7 @@ class RunCommand:
             help="under torchrun: also print on rank 0 the table merged across ranks (each rank's values, "
             "max, min, skew) and write it to -o FILE; each rank's own files get .rankN in their names",
         )
+        parser.add_argument("--by-module", **BY_MODULE_OPTION)
         parser.add_argument(
             "-m", dest="as_module", action="store_true", help="run a module, like python -m (the last option)"
         )
@@ -301,5 +326,13 @@ class RunCommand:
         except ValueError as error:
             raise CommandError(str(error)) from None
         return profile_program(
-            program, args.function, columns, target, args.output, args.snapshot, args.plot, args.gather
+            program,
+            args.function,
+            columns,
+            target,
+            args.output,
+            args.snapshot,
+            args.plot,
+            args.gather,
+            args.by_module,
         )

@@ -6,8 +6,9 @@ run; this module only reads that tracker (statistics, categories) and renders th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +16,11 @@ from memlab._gpus import GPU
 from memlab._units import format_size, parse_size
 from memlab.history import categories
 from memlab.sources.tracker import TensorTracker
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from memlab.sources.module_table import ModuleTable
 
 __all__ = ["CANNOT_SEE", "HOW", "Estimate"]
 
@@ -49,6 +55,8 @@ class Estimate:
     ``snapshot()`` is the run's memory snapshot, for ``memlab viz`` or ``plot_memory``).
     ``steps``: how many times the call ran in a row on the same copies (peaks are over all of
     them); ``peak_step``: the step (1-based) in which the peak reserved bytes were first reached.
+    ``modules``: memory per module of the copied models (:meth:`by_module`; ``None`` when the call
+    used no ``torch.nn.Module``).
 
     The cuBLAS/cuBLASLt workspaces the GPU's first matmul of each thread and stream allocates are
     counted (category ``workspace``; :mod:`memlab.sources.workspaces`), as a tracker counts them.
@@ -95,6 +103,9 @@ class Estimate:
             "peak": tracker.by_category(stats_device, at="peak"),
             "end": tracker.by_category(stats_device, at="now"),
         }
+        self.modules: ModuleTable | None = None
+        if tracker.models:  # named after the device whose kernels ran, not the meta storages of fake tensors
+            self.modules = dataclasses.replace(tracker.module_table(stats_device), device=device.type)
 
     @property
     def peak_allocated(self) -> int:
@@ -120,6 +131,20 @@ class Estimate:
         if at not in _AT:
             raise ValueError(f"at must be one of {', '.join(map(repr, _AT))}; got {at!r}")
         return dict(self._by_category[at])
+
+    def by_module(self) -> pd.DataFrame:
+        """Memory per module of the estimated call, as :meth:`TensorTracker.by_module` gives it for
+        a real run (the same columns, bytes as the allocator model counts blocks): paths in the
+        first model the call uses (the root ``""``; a module passed as ``fn``, else the first among
+        the arguments and the names ``fn`` uses), further models' after their class name; peaks
+        over every step, ``parameter`` / ``gradient`` / ``optimizer_state`` at the end of the call.
+        ``ValueError`` when the call used no ``torch.nn.Module``."""
+        if self.modules is None:
+            raise ValueError(
+                f"by_module: the estimated call {self.name} used no torch.nn.Module (none among its "
+                "arguments or the names it uses)"
+            )
+        return self.modules.to_dataframe()
 
     def fits(self, budget: int | str, headroom: int | str = 0) -> bool:
         """Whether the peak reserved bytes plus ``headroom`` fit in ``budget`` (bytes or sizes

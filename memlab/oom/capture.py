@@ -26,6 +26,7 @@ from memlab._tensors import live_tensors, storages_of
 from memlab.history import categories
 from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
 from memlab.sources.allocator.config import allocation_size, round_size
+from memlab.sources.tracker import active_tracker
 
 __all__ = [
     "Call",
@@ -113,6 +114,10 @@ class OOMCapture:
     since the allocator began (what a replay needs). ``gpu``: the GPU a tracker's modelled run
     models (whose cuBLAS workspaces remedies estimated for the step count), ``None`` for a real
     GPU's error, whose remedies model the GPU in use.
+    ``module`` is ``(path, "forward" | "backward")``
+    of the module that was running and ``activations`` ``(path, bytes)`` of the module whose saved
+    tensors held the most, where a tracker recorded memory per module
+    (:meth:`memlab.TensorTracker.by_module`); ``None`` otherwise.
     """
 
     error_id: int
@@ -135,6 +140,8 @@ class OOMCapture:
     call: Call | None = None
     note: str | None = None
     kept: dict[int, int] = field(default_factory=dict)
+    module: tuple[str, str] | None = None
+    activations: tuple[str, int] | None = None
     sequence: int = field(default_factory=lambda: next(_sequence))
     gpu: GPU | None = None
 
@@ -332,6 +339,7 @@ def capture_tracker_oom(
         call=call,
         gpu=tracker.gpu if tracker.workspaces is not None else None,
     )
+    _modules_at_oom(capture, tracker, device)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -347,6 +355,15 @@ def capture_tracker_oom(
         if was_enabled:
             gc.enable()
     return capture
+
+
+def _modules_at_oom(capture: OOMCapture, tracker: Any, device: torch.device) -> None:
+    """The module running and the one holding the most activations on ``device``, where
+    ``tracker`` records memory per module."""
+    recorder = None if tracker is None else tracker.module_recorder
+    if recorder is not None and recorder.active:
+        capture.module = recorder.running()
+        capture.activations = recorder.most_activations(device)
 
 
 def capture_cuda_oom(
@@ -378,6 +395,7 @@ def capture_cuda_oom(
         trace_complete=bool(traces and device < len(traces) and traces[device]),  # checked by a replay
         call=call,
     )
+    _modules_at_oom(capture, active_tracker(), torch.device("cuda", device))
     capture.culprits = _culprits(torch.device("cuda", device), call, None, None)
     if capture.trace_complete:
         capture.kept = kept_blocks(call, lambda t: _cuda_block(t, device))

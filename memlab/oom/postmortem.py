@@ -311,4 +311,6 @@ def build_report(
         snapshot_path=snapshot_path,
         caught=caught,
         notes=tuple(notes),
+        module=capture.module,
+        activations=capture.activations,
     )

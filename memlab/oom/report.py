@@ -116,6 +116,9 @@ class OOMReport:
     ``None`` too). ``caught`` is True when the error did not leave the watched block as it was
     raised (a ``try`` inside swallowed or replaced it). ``snapshot_path`` is where the memory
     snapshot was written, ``snapshot_error`` why it could not be (then ``snapshot_path`` is ``None``).
+    Where a tracker recorded memory per module, ``module`` is ``(path, "forward" | "backward")`` of
+    the module running at the failure and ``activations`` ``(path, bytes)`` of the module whose
+    saved tensors held the most then (paths as ``by_module`` gives them; ``""`` is the root).
     """
 
     error_type: str
@@ -140,15 +143,23 @@ class OOMReport:
     snapshot_error: str | None = None
     caught: bool = False
     notes: tuple[str, ...] = ()
+    module: tuple[str, str] | None = None
+    activations: tuple[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON-ready): every field, ``place`` as ``file``, ``line``,
-        ``function``, ``code``, culprits and remedies as lists of dicts."""
+        ``function``, ``code``, culprits and remedies as lists of dicts, ``module`` as ``path`` and
+        ``phase``, ``activations`` as ``path`` and ``bytes``."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["place"] = None if self.place is None else dataclasses.asdict(self.place)
         data["culprits"] = [dataclasses.asdict(c) for c in self.culprits]
         data["remedies"] = [r.to_dict() for r in self.remedies]
         data["notes"] = list(self.notes)
+        module, activations = self.module, self.activations
+        data["module"] = None if module is None else {"path": module[0], "phase": module[1]}
+        data["activations"] = (
+            None if activations is None else {"path": activations[0], "bytes": activations[1]}
+        )
         return data
 
     def __str__(self) -> str:
@@ -168,6 +179,11 @@ class OOMReport:
             lines += [f"  {note}" for note in self.notes]
         else:
             lines += self._state_lines()
+        if self.module is not None:
+            lines.append(f"module running: {self.module[0] or '(root)'} ({self.module[1]})")
+        if self.activations is not None:
+            path, held = self.activations[0] or "(root)", format_size(self.activations[1])
+            lines.append(f"most activations: {path} holds {held} saved for backward")
         if self.culprits:
             lines.append("largest live tensors:")
             for c in self.culprits:

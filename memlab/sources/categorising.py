@@ -4,13 +4,15 @@
 optimizer state, activation, ...) from the models and optimizers it knows, and reads the history
 back per category (:meth:`~TrackerCategories.by_category`) or as a memory snapshot. It is a mixin of
 ``TensorTracker``: it reads the tracker's ``history``, ``_models``, ``_optimizers``, ``_hooks``,
-``_categorising``, ``_live`` and allocators, and keeps no state of its own.
+``_categorising``, ``_live``, ``module_recorder`` and allocators, and keeps no state of its own.
+Memory per module (:meth:`~TrackerCategories.by_module`) is read here too: the same question,
+what the blocks hold, asked per module (the recording is :mod:`memlab.sources.modules`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +22,11 @@ from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import Stack
 from memlab.history.series import memory_series
 from memlab.sources.storages import collect_storages
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from memlab.sources.module_table import ModuleTable
 
 __all__ = ["TrackerCategories"]
 
@@ -38,6 +45,10 @@ class TrackerCategories:
         :meth:`by_category` walk the model again. Storages the tracker did not count (created
         before it was entered, without ``adopt``) have no block to categorise. The tracker keeps a
         weak reference to the model.
+
+        Memory per module (:meth:`by_module`) is recorded for the model while the tracker is active
+        (unless ``modules=False``); added while active, from then on, its activations from the
+        tracker's next entry (the pack hook is installed at entry).
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__} {model!r:.80}")
@@ -45,6 +56,8 @@ class TrackerCategories:
             self._models.append(weakref.ref(model))
             if self._categorising:
                 self._hook_model(model)
+            if self._entries and self.module_recorder is not None:
+                self.module_recorder.start()
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Categorise the tensors of ``optimizer.state`` as ``optimizer_state`` in the history, after
@@ -87,8 +100,14 @@ class TrackerCategories:
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._categorise_optimizer(optimizer)
 
+    def _records_modules(self) -> bool:
+        recorder = self.module_recorder
+        return recorder is not None and (recorder.discover or bool(self.models))
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._categorise(tensor, categories.ACTIVATION)
+        if self.module_recorder is not None:
+            self.module_recorder.saved(tensor)
         # Not ``tensor`` itself: a saved output would then hold its own grad_fn, a reference cycle
         # through C++ that gc cannot break (the graph and its activations would never be freed).
         return tensor.detach()
@@ -221,3 +240,37 @@ class TrackerCategories:
                 if block["allocated"]:
                     totals[history.block_context(block["address"])[1]] += block["size"]
         return totals
+
+    def module_table(self, device: torch.device | str | int | None = None) -> ModuleTable:
+        """The records behind :meth:`by_module` (``device=None`` read as by :meth:`memory_stats`):
+        its ``text()`` and ``html()`` render them highest peak first. ``ValueError`` with
+        ``modules=False`` or when the tracker knows no model (``model=``, :meth:`add_model`,
+        ``modules=True``)."""
+        if not self._records_modules():
+            raise ValueError(
+                "by_module needs a model: TensorTracker(model=...), tracker.add_model(model), or "
+                "TensorTracker(modules=True) to record every model the code calls"
+                + ("; this tracker has modules=False" if self.module_recorder is None else "")
+            )
+        allocator = self._stats_allocator(device)
+        device = next(d for d, a in self._allocators.items() if a is allocator)
+        return self.module_recorder.table(device)  # type: ignore[union-attr]
+
+    def by_module(self, device: torch.device | str | int | None = None) -> pd.DataFrame:
+        """Memory per module of the known models on ``device`` (read as by :meth:`memory_stats`):
+        a DataFrame indexed by module path (``named_modules()``: the root ``""``, then
+        ``layers.0``, ``layers.0.attn``; a further model's paths after its class name) with
+        ``type``, ``calls`` (forward calls), ``forward_peak`` / ``backward_peak`` (the highest
+        allocated bytes while that module's forward / backward ran, everything alive counted,
+        ``<NA>`` where none ran; the maximum over its calls), ``parameter``, ``gradient``,
+        ``optimizer_state`` (the blocks of its own parameters, their gradients and optimizer
+        state now; a shared parameter counts in its first module) and ``activation`` (the most
+        bytes that ops inside the module, not inside a child, held saved for backward at once).
+        Bytes as the modelled allocator counts blocks; storages the tracker did not count are 0.
+
+        A backward runs from the moment the first gradient reaches the module's outputs to the
+        moment the gradients of all its positional inputs are computed (to the end of the
+        backward pass where its inputs need none). Recorded only while the tracker is active;
+        ``ValueError`` as for :meth:`module_table`. See :class:`memlab.sources.modules.ModuleRecorder`
+        for what it cannot see."""
+        return self.module_table(device).to_dataframe()

@@ -29,6 +29,7 @@ from memlab.history.recorder import capture_stack, make_history
 from memlab.sources.adoption import TrackerAdoption
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 from memlab.sources.categorising import TrackerCategories
+from memlab.sources.modules import ModuleRecorder
 from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
 from memlab.sources.storages import OpKind, StorageRef, collect_storages, unpack
@@ -127,6 +128,13 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
     detached views of the same storages, so values and gradients are unchanged). With
     ``history`` off none of this runs.
 
+    Memory per module (:meth:`by_module`): while the tracker is active and knows a model, PyTorch's
+    global module hooks and gradient hooks record each module's forward and backward peaks and
+    the activations it saves (:mod:`memlab.sources.modules`; the pack hook above is installed for
+    it, with or without history). ``modules=True`` also records the models the code calls that
+    the tracker was not given (each module called while no known model runs forward);
+    ``modules=False`` records none.
+
     Threads: a dispatch mode belongs to the thread that entered it. The tracker also counts the ops
     of every thread started through :mod:`threading` while it is active (it enters them before
     their first line, :mod:`memlab.sources.threads`); such a thread still running after the tracker
@@ -158,6 +166,7 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         gpu: GpuLike | None = None,
+        modules: bool | None = None,
     ) -> None:
         super().__init__()
         if allocator not in _ALLOCATORS:
@@ -171,6 +180,13 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
         self._workspaces: CublasWorkspaces | None = None
         if not isinstance(adopt, bool):
             raise TypeError(f"adopt must be True or False, got {type(adopt).__name__} {adopt!r}")
+        if modules is not None and not isinstance(modules, bool):
+            raise TypeError(
+                f"modules must be None (the known models), True (also those called) or False, got "
+                f"{type(modules).__name__} {modules!r:.80}"
+            )
+        #: What :meth:`by_module` reads (``None`` with ``modules=False``).
+        self.module_recorder = None if modules is False else ModuleRecorder(self, discover=modules is True)
         self.allocator = allocator
         self.adopt_on_enter = adopt
         #: ``(storages, bytes)`` adopted by each call of :meth:`adopt` that found any, in order.
@@ -242,7 +258,9 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
         self.threads_not_counted.pop(threading.get_ident(), None)
         if self.adopt_on_enter and not self.adoptions:
             self.adopt()
-        if self.history:
+        if first and self._records_modules():
+            self.module_recorder.start()  # type: ignore[union-attr]
+        if self.history or self._records_modules():
             saved = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
             saved.__enter__()
             here.saved = [*getattr(here, "saved", ()), saved]
@@ -273,6 +291,8 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
             self._stop_resizes()
             self._stop_following = self._stop_resizes = None
             unwatch(self.disabled_cuda_autocast)
+            if self.module_recorder is not None:
+                self.module_recorder.stop()
             self._categorising = False
             while self._hooks:
                 self._hooks.pop().remove()
@@ -456,6 +476,19 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
         if ref is None or ref.handle is None or ref() is not storages[0]:
             return None
         return ref.allocator._extent(ref.handle)[0]
+
+    def block_size(self, tensor: torch.Tensor) -> int | None:
+        """The bytes of the modelled block that holds ``tensor``'s (first) storage, as
+        ``allocated_bytes`` counts it, or ``None`` where the tracker did not count that storage."""
+        check_tensor(tensor)
+        if self._pending:
+            self._drain()
+        storages: list[torch.UntypedStorage] = []
+        collect_storages(tensor, storages)
+        ref = self._live.get(id(storages[0])) if storages else None
+        if ref is None or ref.handle is None or ref() is not storages[0]:
+            return None
+        return ref.allocator.block_size(ref.handle)
 
     def _drain(self) -> None:
         pending, live = self._pending, self._live

@@ -169,8 +169,10 @@ def test_the_peak_needs_the_whole_history():
 
 
 def test_without_history_no_hook_is_installed():
-    model = _model()
-    with TensorTracker(model=model) as tracker:
+    model = (
+        _model()
+    )  # modules=False: memory per module installs the pack hook (tests/sources/test_modules.py)
+    with TensorTracker(model=model, modules=False) as tracker:
         assert tracker._hooks == []
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert model.training

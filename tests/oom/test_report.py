@@ -103,6 +103,65 @@ def test_to_dict_holds_the_same_content_as_plain_data():
         assert remedy["fits"] == (remedy["peak_reserved"] <= remedy["capacity"])
 
 
+def _mlp_oom(capacity: str) -> memlab.oom.OOMReport:
+    """An MLP on meta tensors (no data) whose known model runs out of ``capacity``: a 512 x 256
+    batch (512 KiB), hidden layers of 4096 (8 MiB per activation)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 256),
+    ).to("meta")
+    x = torch.ones(512, 256, device="meta")
+    tracker = memlab.TensorTracker(capacity=capacity, model=model)
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        tracker,
+        memlab.explain_oom(stream=io.StringIO(), remedies=False),
+    ):
+        tracker.adopt(roots=[model, x])
+        model(x).sum().backward()
+    return memlab.oom.last_report()
+
+
+@pytest.mark.parametrize(
+    ("capacity", "running", "holding"),
+    [
+        # the second layer's output does not fit; only the first layer has saved anything: the batch
+        ("100 MiB", ("1", "forward"), ("0", 512 * 1024)),
+        # the backward of the middle layer; the last ReLU's saved output is freed by then
+        ("140 MiB", ("2", "backward"), ("1", 8 * MIB)),
+    ],
+)
+def test_the_report_names_the_module_running_and_the_one_holding_the_most_activations(
+    capacity, running, holding, monkeypatch
+):
+    # sized for the tensors alone: no cuBLAS workspace (PyTorch reads ":0:0" as 0 bytes)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    report = _mlp_oom(capacity)
+    assert (report.module, report.activations) == (running, holding)
+    lines = report.text().splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
+    size = "512.00K" if holding[1] < MIB else "8.00M"
+    assert lines[verdict + 1 : verdict + 3] == [
+        f"module running: {running[0]} ({running[1]})",
+        f"most activations: {holding[0]} holds {size} saved for backward",
+    ]
+    data = report.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["module"] == {"path": running[0], "phase": running[1]}
+    assert data["activations"] == {"path": holding[0], "bytes": holding[1]}
+
+
+def test_without_a_known_model_the_report_names_no_module():
+    report = _report()
+    assert (report.module, report.activations) == (None, None)
+    assert not any(
+        line.startswith(("module running:", "most activations:")) for line in report.text().splitlines()
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

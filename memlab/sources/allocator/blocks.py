@@ -84,6 +84,10 @@ class AllocatorBase:
         """The address and requested bytes of a live handle's block."""
         raise NotImplementedError
 
+    def block_size(self, handle: int) -> int:
+        """The bytes of a live handle's block, as ``allocated_bytes`` counts them."""
+        raise NotImplementedError
+
     def _recorded_malloc(self, nbytes: int) -> int:
         handle = type(self).malloc(self, nbytes)
         if handle:

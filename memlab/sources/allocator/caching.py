@@ -449,6 +449,9 @@ class CachingAllocatorModel(AllocatorBase):
         block = self._live[handle]
         return block.addr, block.requested
 
+    def block_size(self, handle: int) -> int:
+        return self._live[handle].size
+
     def snapshot(self) -> list[dict[str, Any]]:
         """Segments and their blocks, sorted by (invented) address, in the format of
         ``torch.cuda.memory_snapshot()`` (see :func:`~memlab.sources.allocator.blocks.snapshot_segments`).

@@ -93,6 +93,9 @@ class ExactAllocator(AllocatorBase):
     def _extent(self, handle: int) -> tuple[int, int]:
         return handle, self._live[handle]  # the address of a block is its handle
 
+    def block_size(self, handle: int) -> int:
+        return self._live[handle]
+
     # With a history each allocation is a segment_alloc and an alloc, each free a free_requested,
     # a free_completed and a segment_free; the address is the handle, as in snapshot().
 
