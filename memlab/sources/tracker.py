@@ -379,18 +379,26 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
         """Count ``storage`` as allocated now (``nbytes``: its size, when it is not the storage's own)."""
         if nbytes is None:
             nbytes = storage.nbytes()
-        device = storage.device
+        allocator, handle = self._malloc(storage.device, nbytes, storage)
+        ref = StorageRef(storage, self._pending.append)
+        ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
+        self._live[ref.key] = ref
+
+    def _malloc(
+        self, device: torch.device, nbytes: int, storage: torch.UntypedStorage | None
+    ) -> tuple[Any, Any]:
+        """``(allocator, handle)``: ``nbytes`` allocated on ``device``'s allocator (``handle`` is
+        ``None`` for 0 bytes). An out-of-memory error is told to the observers, naming ``storage``
+        (an empty storage on ``device`` for memory no storage holds), then raised."""
         allocator = self._allocator_for(device)
         if device not in self._seen:
             self._seen[device] = None
         try:
-            handle = allocator.malloc(nbytes) if nbytes else None
+            return allocator, (allocator.malloc(nbytes) if nbytes else None)
         except torch.OutOfMemoryError as error:
-            self._out_of_memory(storage, nbytes, error)
+            named = storage if storage is not None else torch.UntypedStorage(0, device=device)
+            self._out_of_memory(named, nbytes, error)
             raise
-        ref = StorageRef(storage, self._pending.append)
-        ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
-        self._live[ref.key] = ref
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         """``storage`` was just resized (:mod:`memlab.sources.resizes`), in any thread: count it
@@ -434,14 +442,7 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
     def _allocate_workspace(self, device: torch.device, nbytes: int) -> None:
         """Allocate a cuBLAS workspace of ``nbytes`` on ``device``'s allocator, for good (category
         ``workspace``); an out-of-memory error names an empty storage on ``device`` to the observers."""
-        allocator = self._allocator_for(device)
-        if device not in self._seen:
-            self._seen[device] = None
-        try:
-            handle = allocator.malloc(nbytes) if nbytes else None
-        except torch.OutOfMemoryError as error:
-            self._out_of_memory(torch.UntypedStorage(0, device=device), nbytes, error)
-            raise
+        allocator, handle = self._malloc(device, nbytes, None)
         if handle is not None and allocator.history is not None:
             allocator.history.set_category(allocator._extent(handle)[0], categories.WORKSPACE)
 
