@@ -23,14 +23,10 @@ MiB = 1024 * 1024
 DEADLINE_S = 150
 
 
-def run_ranks(tmp_path, world: int, scenario: str) -> tuple[dict, dict, str]:
-    context = mp.start_processes(
-        run_rank,
-        args=(world, str(tmp_path), scenario),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
+def spawn_ranks(fn, args: tuple, world: int) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes and wait for all of them, failing the
+    test after ``DEADLINE_S`` seconds; no process is left running."""
+    context = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + DEADLINE_S
     try:
         while not context.join(timeout=1):
@@ -40,6 +36,10 @@ def run_ranks(tmp_path, world: int, scenario: str) -> tuple[dict, dict, str]:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+def run_ranks(tmp_path, world: int, scenario: str) -> tuple[dict, dict, str]:
+    spawn_ranks(run_rank, (world, str(tmp_path), scenario), world)
     lines = json.loads((tmp_path / "lines.json").read_text())
     stats = json.loads((tmp_path / "stats.json").read_text())
     return lines, stats, (tmp_path / "lines.txt").read_text()

@@ -9,32 +9,19 @@ buckets. The tracker must read PyTorch's numbers to the byte.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests.distributed.sharded_steps import run_rank
+from tests.distributed.test_gather import spawn_ranks
 
-DEADLINE_S = 150
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("sharded")
-    context = mp.start_processes(
-        run_rank, args=(WORLD, str(out)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the ranks did not finish in {DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    spawn_ranks(run_rank, (WORLD, str(out)), WORLD)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 

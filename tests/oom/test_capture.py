@@ -3,26 +3,16 @@ where no call's arguments say which model is which."""
 
 from __future__ import annotations
 
-import gc
 import types
 
 import pytest
 import torch
 
 import memlab
-from memlab.oom import watch as watch_module
+from tests.oom.test_explain import _clean  # noqa: F401 (autouse: a collected heap, an OOM folder, no watch left)
 
 MIB = 1 << 20
 WEIGHT_ROW = "  weight                           parameter          16.00M"
-
-
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    gc.collect()
-    monkeypatch.setenv("MEMLAB_OOM_DIR", str(tmp_path))
-    yield
-    assert not watch_module._entries
-    assert not watch_module._pending
 
 
 def forward(model, x):
