@@ -39,6 +39,9 @@ class Copier:
         self._copy_tensor = copy_tensor
         self._memo: dict[int, Any] = {}
         self._keep: list[Any] = []  # originals, so that ids in the memo stay unique
+        self._builds: list[Callable[[], None]] = []  # see finish()
+        #: What the copies cannot carry into the estimate (one sentence each).
+        self.caveats: list[str] = []
         self.modules: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.inputs: list[torch.Tensor] = []
@@ -109,7 +112,46 @@ class Copier:
         self._remember(obj, new)
         return new
 
+    def adopt_copy(self, original: torch.Tensor, new: torch.Tensor) -> None:
+        """Take ``new``, made elsewhere, as the copy of ``original`` (a parameter FSDP2 re-sharded)."""
+        self._remember(original, new)
+        self.copies.append(new)
+        self.originals.append(original)
+
+    def deepcopy(self, obj: Any, memo: dict[int, Any]) -> Any:
+        """``copy.deepcopy(obj)`` with the copies made so far and ``memo``'s replacements; process
+        groups (which cannot be copied) are shared."""
+        memo = {**memo, **self._memo}
+        for value in _shallow_values(obj):
+            if _process_group(value):
+                memo[id(value)] = value
+        return copy.deepcopy(obj, memo)
+
+    def finish(self) -> None:
+        """Build the wrappers whose construction allocates (DDP's reducer and its gradient buckets):
+        called once the estimate's tracker counts, after the copies are adopted."""
+        builds, self._builds = self._builds, []
+        for build in builds:
+            build()
+
     def _module(self, module: torch.nn.Module) -> torch.nn.Module:
+        from memlab.estimate import sharded
+
+        if sharded.is_data_parallel(module):
+            new, build = sharded.copy_data_parallel(self, module)
+            self._remember(module, new)
+
+            def built() -> None:
+                build()
+                self.modules.append(new)
+
+            self._builds.append(built)
+            return new
+        if sharded.is_fully_sharded(module):
+            new = sharded.copy_fully_sharded(self, module)
+            self._remember(module, new)
+            self.modules.append(new)
+            return new
         memo: dict[int, Any] = {}
         for sub in module.modules():
             for value in (*sub._parameters.values(), *sub._buffers.values(), *vars(sub).values()):
@@ -133,8 +175,7 @@ class Copier:
         return new
 
     def _deepcopy(self, obj: Any, memo: dict[int, Any]) -> Any:
-        memo.update(self._memo)
-        new = copy.deepcopy(obj, memo)
+        new = self.deepcopy(obj, memo)
         self._remember(obj, new)
         return new
 
@@ -175,6 +216,20 @@ class Copier:
             rebinder.finish()
             return new
         return fn
+
+
+def _shallow_values(obj: Any) -> list[Any]:
+    """The values ``obj`` holds one level down: its attributes, or a dict's values, and for a module
+    those of its submodules (where a process group is kept: DDP's ``process_group``)."""
+    if isinstance(obj, torch.nn.Module):
+        return [value for sub in obj.modules() for value in vars(sub).values()]
+    if isinstance(obj, dict):
+        return list(obj.values())
+    return list(vars(obj).values()) if isinstance(getattr(obj, "__dict__", None), dict) else []
+
+
+def _process_group(value: Any) -> bool:
+    return torch.distributed.is_available() and isinstance(value, torch.distributed.ProcessGroup)
 
 
 def _released(tensor: torch.Tensor) -> torch.Tensor:

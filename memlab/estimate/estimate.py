@@ -275,6 +275,7 @@ def run_estimate(
                 tracker.adopt(roots=copier.copies)
                 # One adoption, as the line that says where numbers come from reports it.
                 tracker.adoptions[:] = [tuple(map(sum, zip(*tracker.adoptions, strict=True)))]
+                copier.finish()  # wrappers that allocate when built (DDP's buckets), counted
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
                 with profiler or contextlib.nullcontext():
@@ -307,7 +308,7 @@ def run_estimate(
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
         if tracker.forced_by is None:
-            caveats += _outside_tensors(outside) + tracker.size_caveats
+            caveats += _outside_tensors(outside) + tracker.size_caveats + copier.caveats
             if device.type == "cuda":
                 caveats += tracker.workspaces.caveats()  # cuDNN's convolution workspaces
             if kernels is not None:

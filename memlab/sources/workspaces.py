@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from memlab._gpus import GPU
+from memlab._tensors import storages_of
 
 __all__ = [
     "BLAS_OPS",
@@ -318,7 +319,9 @@ class CublasWorkspaces:
             return
         own_lt = not self.sizes.unified and self._uses_lt(packet, name, args, kwargs)
         pool = "cublaslt" if own_lt else "cublas"
-        device = tensors[0].untyped_storage().device  # the tracker's device: a fake tensor's is meta
+        # The tracker's device: its storage's (a fake tensor's is meta; a DTensor's, its local shard's).
+        storages = storages_of(tensors[0])
+        device = storages[0].device if storages else tensors[0].device
         key = (pool, device, _stream(tensors[0].device), _handle())
         if key in self.keys:
             return

@@ -1,0 +1,201 @@
+"""Any world size from one process: :func:`fake_group`, a default process group that moves no data.
+
+Inside ``with memlab.distributed.fake_group(8):`` this process is rank 0 of an 8-process job as far
+as ``torch.distributed`` can tell: a user builds the model, shards it (``fully_shard``, DDP, a
+``DeviceMesh`` and DTensors), and calls :func:`memlab.estimate` or :func:`memlab.max_batch_size` for
+that rank without starting the other seven. PyTorch's own fake backend (``"fake"``, with its
+``FakeStore``) does the same for FSDP2 and plain collectives, but its ``Work`` carries no future and
+DDP's backward fails on it (``comm.cpp``: "expected the hook result is either a Tensor or a
+TensorList found None"). The group here is a Python ``ProcessGroup`` (as PyTorch's multi-threaded
+test group is) whose every collective returns a completed ``Work`` whose future holds its output
+tensors, untouched: no data moves, no byte is allocated beyond what the caller allocated for the
+output (as NCCL's collectives, in place on the caller's buffers, do), and DDP, FSDP2, DTensor
+redistribution and plain collectives all run.
+
+What it cannot see: the other ranks. Every rank's tensors are taken to be shaped as this rank's,
+which holds for data parallelism (FSDP, DDP, HSDP) but not for uneven splits of a pipeline.
+Values are not reduced: a loss all-reduced inside a fake group is this rank's loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["FakeGroupError", "fake_group"]
+
+BACKEND = "memlab_fake"
+
+
+class FakeGroupError(RuntimeError):
+    """:func:`fake_group` cannot start here (a process group is initialised already)."""
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
+    """Make this process rank ``rank`` of a job of ``world_size`` processes, for the ``with`` block.
+
+    Initialises ``torch.distributed``'s default process group with a group that completes every
+    collective at once and moves no data (see the module docstring), over a
+    ``torch.distributed.HashStore``; yields that group. On exit, also when the block raises or the
+    user presses Ctrl-C, the group and every group made from it (``new_group``, a ``DeviceMesh``'s
+    sub-groups) are destroyed, leaving ``torch.distributed`` uninitialised as before.
+
+    Models sharded inside the block keep references to its groups: use them (estimate them) inside
+    it. A process group that is initialised already (a real job's) is a :class:`FakeGroupError`:
+    estimate with it directly, or call ``fake_group`` outside the job.
+    """
+    from memlab.estimate.estimate import check_count
+
+    world_size = check_count(world_size, "world_size", 1)
+    rank = check_count(rank, "rank", 0)
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise FakeGroupError("fake_group needs torch.distributed, which this build of torch lacks")
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        raise FakeGroupError(
+            f"fake_group needs torch.distributed uninitialised, but a default process group is "
+            f"initialised ({dist.get_backend(default)}, world size {default.size()}); call fake_group "
+            f"before init_process_group or after destroy_process_group"
+        )
+    _register_backend()
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.distributed_c10d._get_default_group()
+    finally:
+        dist.destroy_process_group()
+
+
+def _register_backend() -> None:
+    import torch.distributed as dist
+
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu", "cuda"])
+
+
+def _create_group(store: Any, rank: int, world_size: int, timeout: Any) -> Any:
+    return _group_class()(rank, world_size)
+
+
+def _done(result: Any) -> Any:
+    """A ``Work`` that is complete, whose future holds ``result``."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    future: torch.futures.Future[Any] = torch.futures.Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+_GROUP: type | None = None
+
+
+def _group_class() -> type:
+    """The group's class, made on first use (``torch.distributed`` is imported only then)."""
+    global _GROUP
+    if _GROUP is not None:
+        return _GROUP
+    import torch.distributed as dist
+
+    class FakeGroup(dist.ProcessGroup):
+        """Rank ``rank`` of ``world_size``; every collective completes at once with its outputs
+        as they are."""
+
+        def __init__(self, rank: int, world_size: int) -> None:
+            super().__init__(rank, world_size)
+            self._rank, self._world_size = rank, world_size
+
+        def rank(self) -> int:
+            return self._rank
+
+        def size(self) -> int:
+            return self._world_size
+
+        @property
+        def group_name(self) -> str:
+            return dist.distributed_c10d._world.pg_names[self]
+
+        def getBackendName(self) -> str:
+            return BACKEND
+
+        def __repr__(self) -> str:
+            return f"memlab fake group: rank {self._rank} of {self._world_size}"
+
+        # What each returns is the value a real backend's future holds: the output tensors.
+        def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+            return _done(tensors)
+
+        def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+            return _done(tensors)
+
+        def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+            return _done(tensors)
+
+        def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+            return _done(tensors)
+
+        def barrier(self, opts: Any = None) -> Any:
+            return _done(None)
+
+        # Every rank holds what this one holds: an all-gather fills each rank's slot with this
+        # rank's input (in place, allocating nothing), so that checks across ranks pass (DDP's
+        # comparison of parameter shapes).
+        def allgather(
+            self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+        ) -> Any:
+            for slots, tensor in zip(outputs, inputs, strict=True):
+                for slot in slots:
+                    slot.copy_(tensor)
+            return _done(outputs)
+
+        def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+            for slot in output.chunk(self._world_size):
+                slot.copy_(input.view_as(slot))
+            return _done([output])
+
+        def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+            for output, tensor in zip(outputs, inputs, strict=True):
+                self.all_gather_single(output, tensor)
+            return _done(outputs)
+
+        def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+            return _done(outputs)
+
+        def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+            return _done([output])
+
+        def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+            return _done(outputs)
+
+        def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+            return _done(outputs)
+
+        def all_to_all_single(self, output: Any, input: Any, *rest: Any) -> Any:
+            return _done([output])
+
+        def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+            return _done(outputs)
+
+        def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+            return _done(outputs)
+
+        def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
+            return _done(None)
+
+        def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
+            return _done(tensors)
+
+    # The older names that PyTorch's Python bindings still call on some paths.
+    FakeGroup.allgather_into_tensor_coalesced = FakeGroup.all_gather_single_coalesced
+    FakeGroup._allgather_base = FakeGroup.all_gather_single
+    FakeGroup._reduce_scatter_base = FakeGroup.reduce_scatter_single
+    FakeGroup.reduce_scatter_tensor_coalesced = FakeGroup.reduce_scatter_single_coalesced
+    FakeGroup.alltoall_base = FakeGroup.all_to_all_single
+    _GROUP = FakeGroup
+    return FakeGroup

@@ -1,0 +1,140 @@
+"""Estimates of sharded training for any world size from one process, against real runs.
+
+``memlab.estimate`` of two steps of a model sharded with FSDP2 (or wrapped in DDP) inside
+``fake_group(N)`` is held against rank 0 of a real N-process gloo run of the same steps on CPU,
+tracked by a ``TensorTracker`` that adopted the model, the optimizer and the batch first
+(``estimated_steps``). The real runs are spawned once per module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import memlab
+from memlab.distributed import fake_group
+from memlab.estimate.sharded import REBUILD_CAVEAT
+from tests.distributed import estimated_steps
+from tests.distributed.estimated_steps import KEYS, batch, ddp, fsdp2, make_model, train_step
+from tests.distributed.test_gather import spawn_ranks
+
+RUNS = [("fsdp2", 2), ("fsdp2", 4), ("ddp", 2)]
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> dict[tuple[str, int], dict[str, int]]:
+    found = {}
+    for wrapping, world in RUNS:
+        out = tmp_path_factory.mktemp(f"{wrapping}{world}")
+        spawn_ranks(estimated_steps.run_rank, (world, str(out), wrapping), world)
+        found[wrapping, world] = json.loads((out / "stats.json").read_text())
+    return found
+
+
+def estimated(
+    wrapping: str, world: int, steps: int = 2
+) -> tuple[memlab.Estimate, torch.nn.Module, torch.optim.Optimizer]:
+    with fake_group(world):
+        model = fsdp2(make_model()) if wrapping == "fsdp2" else ddp(make_model())
+        optimizer = torch.optim.Adam(model.parameters())
+        result = memlab.estimate(train_step, model, optimizer, batch(), steps=steps)
+    return result, model, optimizer
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_fsdp2_estimate_for_n_ranks_is_rank_0_of_a_real_n_process_run(real, world):
+    estimate, model, optimizer = estimated("fsdp2", world)
+
+    assert (estimate.method, estimate.forced_by, estimate.caveats) == ("fake", None, [])
+    measured = real["fsdp2", world]
+    assert {key: estimate.stats[key] for key in KEYS} == measured  # the issue asks for 1%: exact
+    # the user's sharded model and optimizer are untouched: no gradients, no state
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+    assert type(model[0].weight).__name__ == "DTensor"
+
+
+def shards(world: int) -> int:
+    """Bytes of one rank's shards of the model's parameters: whole rows of each, each shard one block
+    of the CUDA caching allocator model (rounded up to 512 B)."""
+    shapes = [(1024, 256), (1024,), (1024, 1024), (1024,), (256, 1024), (256,)]
+    sizes = [4 * shape[0] // world * (shape[1] if len(shape) > 1 else 1) for shape in shapes]
+    return sum(-(-size // 512) * 512 for size in sizes)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_more_ranks_hold_smaller_shards(world):
+    estimate = estimated("fsdp2", world)[0]
+    at_end = estimate.by_category("end")
+    assert at_end["parameter"] == shards(world)
+    # Adam's two states of each shard and its six float32 step counters (a 512 B block each)
+    assert at_end["optimizer_state"] == 2 * shards(world) + 6 * 512
+    assert shards(4) == 4 * 1_575_168 // 4 + 256  # the last bias's shard, 256 B, takes a 512 B block
+
+
+def test_the_ddp_estimate_is_rank_0_of_a_real_run_within_the_bucket_rebuild(real):
+    estimate, model, _ = estimated("ddp", 2)
+    measured = real["ddp", 2]
+
+    assert estimate.caveats == [REBUILD_CAVEAT]
+    assert estimate.stats["reserved_bytes.all.peak"] == measured["reserved_bytes.all.peak"]
+    # the real run's rebuilt buckets hold 1,038,336 B more after step 1 (the caveat says so)
+    for key in ("allocated_bytes.all.peak", "allocated_bytes.all.current"):
+        assert measured[key] - estimate.stats[key] == 1_038_336
+    peak = measured["allocated_bytes.all.peak"]
+    assert peak - estimate.stats["allocated_bytes.all.peak"] < 0.01 * peak
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_ddp_step_estimate_is_exact_before_the_rebuild():
+    # one step: DDP's buckets as built, in the real run and in the estimate
+    estimate = estimated("ddp", 2, steps=1)[0]
+    with memlab.distributed.fake_group(2):
+        measured = estimated_steps.tracked_steps("ddp", steps=1)
+    assert {key: estimate.stats[key] for key in KEYS} == measured
+
+
+def test_a_tensor_parallel_model_is_estimated_as_it_runs():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel()}
+    with fake_group(2):
+        model = parallelize_module(make_model(), init_device_mesh("cpu", (2,)), plan)
+        optimizer = torch.optim.Adam(model.parameters())
+        x = batch()
+        estimates = [memlab.estimate(train_step, model, optimizer, x, steps=k) for k in (1, 2)]
+        assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+        # the same steps for real in this process, the other rank's collectives moving no data
+        with memlab.TensorTracker(history=True, model=model, optimizer=optimizer) as tracker:
+            tracker.adopt(roots=[model])
+            tracker.adopt(roots=[optimizer])
+            tracker.adopt(roots=[x], category="input")
+            measured = []
+            for _ in range(2):
+                loss = train_step(model, optimizer, x)
+                measured.append({key: tracker.memory_stats()[key] for key in KEYS})
+            del loss
+    for estimate, stats in zip(estimates, measured, strict=True):
+        assert (estimate.method, estimate.caveats) == ("fake", [])
+        assert {key: estimate.stats[key] for key in KEYS} == stats
+
+
+def test_fsdp2_over_tensor_parallel_parameters_is_a_clear_error():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    with fake_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(make_model(), mesh["tp"], {"0": ColwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        optimizer = torch.optim.Adam(model.parameters())
+        with pytest.raises(memlab.EstimateError) as caught:
+            memlab.estimate(train_step, model, optimizer, batch())
+    assert str(caught.value) == (
+        "cannot estimate the model (Sequential): FSDP2 over DTensor parameters "
+        "(tensor parallelism inside FSDP) is not "
+        "supported; estimate the tensor-parallel model without fully_shard"
+    )
