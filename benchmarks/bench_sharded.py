@@ -76,7 +76,7 @@ def one_world(world: int, fit: bool) -> dict[str, Any]:
                 "80 GB",
                 high=256,
             )
-            found["fit"] = result.size
+            found["fit"] = result.batch_size
             found["fit_s"] = time.perf_counter() - start
     return found
 

@@ -127,6 +127,23 @@ class Copier:
                 memo[id(value)] = value
         return copy.deepcopy(obj, memo)
 
+    def modules_first(self, roots: list[Any]) -> None:
+        """Copy the modules among ``roots`` (and inside the lists, tuples, dicts, named tuples and
+        dataclasses :meth:`__call__` enters) before anything else, so that an optimizer copied
+        later, whatever the order it is named in, is bound to the parameters of the modules' copies
+        (which FSDP2 makes anew when it shards a copy)."""
+        todo = list(roots)
+        while todo:
+            obj = todo.pop(0)
+            if isinstance(obj, torch.nn.Module):
+                self(obj)
+            elif type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+                todo.extend(obj)
+            elif type(obj) is dict:
+                todo.extend(obj.values())
+            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                todo.extend(getattr(obj, field.name) for field in dataclasses.fields(obj))
+
     def finish(self) -> None:
         """Build the wrappers whose construction allocates (DDP's reducer and its gradient buckets):
         called once the estimate's tracker counts, after the copies are adopted."""
@@ -253,7 +270,7 @@ class _Rebinder:
             return fn  # another module's function: it sees its own module's objects
         self.done[id(fn)] = fn  # recursion (a function naming itself) ends here
         changes: dict[str, Any] = {}
-        for name in _global_names(fn.__code__):
+        for name in sorted(_global_names(fn.__code__)):  # the same order in every process
             if name in self.namespace:
                 value = self._value(self.namespace[name])
                 if value is not self.namespace[name]:
@@ -282,6 +299,23 @@ class _Rebinder:
         new.__qualname__ = fn.__qualname__
         self.done[id(fn)] = new
         return new
+
+    def modules_first(self, roots: list[Any]) -> None:
+        """Copy the modules among ``roots`` (and inside the lists, tuples, dicts, named tuples and
+        dataclasses :meth:`__call__` enters) before anything else, so that an optimizer copied
+        later, whatever the order it is named in, is bound to the parameters of the modules' copies
+        (which FSDP2 makes anew when it shards a copy)."""
+        todo = list(roots)
+        while todo:
+            obj = todo.pop(0)
+            if isinstance(obj, torch.nn.Module):
+                self(obj)
+            elif type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+                todo.extend(obj)
+            elif type(obj) is dict:
+                todo.extend(obj.values())
+            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                todo.extend(getattr(obj, field.name) for field in dataclasses.fields(obj))
 
     def finish(self) -> None:
         """Point the copied namespace's names at the rebuilt functions (a function reached again
@@ -343,7 +377,7 @@ def named_objects(fn: Callable[..., Any]) -> list[Any]:
         if id(func) in seen or func.__globals__ is not namespace:
             continue
         seen.add(id(func))
-        values = [namespace[name] for name in _global_names(func.__code__) if name in namespace]
+        values = [namespace[name] for name in sorted(_global_names(func.__code__)) if name in namespace]
         values += [value for value in _cell_contents(func) if not isinstance(value, types.CellType)]
         for value in values:
             if isinstance(value, types.FunctionType):

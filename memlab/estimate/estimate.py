@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import format_size
-from memlab.estimate.copies import Copier
+from memlab.estimate.copies import Copier, named_objects
 from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.result import HOW, Estimate
 from memlab.estimate.sizes import RealSizes
@@ -252,6 +252,7 @@ def run_estimate(
     with _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
+        copier.modules_first([*named_objects(fn), args, kwargs])
         call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))
         if with_grads:
             _give_gradients(copier.modules)

@@ -138,3 +138,15 @@ def test_fsdp2_over_tensor_parallel_parameters_is_a_clear_error():
         "(tensor parallelism inside FSDP) is not "
         "supported; estimate the tensor-parallel model without fully_shard"
     )
+
+
+def test_an_optimizer_named_before_its_sharded_model_is_bound_to_the_sharded_copies():
+    # FSDP2 makes the copies' parameters anew: an optimizer copied first would hold others
+    with fake_group(2):
+        model = fsdp2(make_model())
+        optimizer = torch.optim.Adam(model.parameters())
+        x = batch()
+        in_order = memlab.estimate(train_step, model, optimizer, x, steps=2)
+        reversed_ = memlab.estimate(lambda o, m, b: train_step(m, o, b), optimizer, model, x, steps=2)
+    assert {key: reversed_.stats[key] for key in KEYS} == {key: in_order.stats[key] for key in KEYS}
+    assert reversed_.by_category("end")["optimizer_state"] == 2 * shards(2) + 6 * 512
