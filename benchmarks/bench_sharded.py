@@ -43,7 +43,9 @@ def sharded_gpt2(mesh: Any = None) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor
+) -> torch.Tensor:
     loss = model(tokens, labels=tokens).loss
     loss.backward()
     optimizer.step()
