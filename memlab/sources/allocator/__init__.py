@@ -3,8 +3,9 @@
 :mod:`.caching` holds :class:`CachingAllocatorModel` (the native caching allocator),
 :mod:`.expandable` its ``expandable_segments`` half, :mod:`.exact` :class:`ExactAllocator`,
 :mod:`.blocks` the blocks, pools and snapshot entries both share, :mod:`.snapshot` the
-``torch.cuda.memory._snapshot()`` dict of either, :mod:`.config` the size arithmetic and
-``PYTORCH_CUDA_ALLOC_CONF``, and :mod:`.messages` PyTorch's out-of-memory messages.
+``torch.cuda.memory._snapshot()`` dict of either, :mod:`.stats` the ``memory_stats()`` counters
+they keep, :mod:`.config` the size arithmetic and ``PYTORCH_CUDA_ALLOC_CONF``, and
+:mod:`.messages` PyTorch's out-of-memory messages.
 """
 
 from __future__ import annotations

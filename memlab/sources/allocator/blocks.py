@@ -28,7 +28,7 @@ from memlab.history.recorder import (
 )
 from memlab.sources.allocator.messages import oom_message
 from memlab.sources.allocator.snapshot import allocator_snapshot
-from memlab.sources.stats import StatTable, decrease, increase
+from memlab.sources.allocator.stats import StatTable, decrease, increase
 
 __all__ = [
     "KEY_SHIFT",

@@ -41,7 +41,7 @@ from memlab.sources.allocator.config import (
 )
 from memlab.sources.allocator.expandable import ExpandableSegments
 from memlab.sources.allocator.messages import huge_request
-from memlab.sources.stats import decrease, increase
+from memlab.sources.allocator.stats import decrease, increase
 
 __all__ = ["CachingAllocatorModel"]
 
@@ -106,7 +106,7 @@ class CachingAllocatorModel(AllocatorBase):
 
     # -- the hot path -------------------------------------------------------------------------
     # malloc and free update their statistics unrolled, with literal indices into the stat lists
-    # (0 current, 1 peak, 2 allocated, 3 freed, 4 window peak; see memlab.sources.stats): a loop or
+    # (0 current, 1 peak, 2 allocated, 3 freed, 4 window peak; see memlab.sources.allocator.stats): a loop or
     # a helper call per statistic cost 20-30% of the throughput in benchmarks/bench_allocator.py.
 
     def malloc(self, nbytes: int) -> int:
