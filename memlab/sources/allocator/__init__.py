@@ -1,6 +1,7 @@
 """Models of PyTorch's CUDA caching allocator for machines without a GPU, and an exact-bytes sibling.
 
 :mod:`.caching` holds :class:`CachingAllocatorModel` (the native caching allocator),
+:mod:`.segments` its segments (``cudaMalloc``, the retry path, ``empty_cache``),
 :mod:`.expandable` its ``expandable_segments`` half, :mod:`.exact` :class:`ExactAllocator`,
 :mod:`.blocks` the blocks, pools and snapshot entries both share, :mod:`.snapshot` the
 ``torch.cuda.memory._snapshot()`` dict of either, :mod:`.stats` the ``memory_stats()`` counters
