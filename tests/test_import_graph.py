@@ -51,6 +51,7 @@ LAYERS = {
     "memlab._gpus": 1,
     "memlab._autocast": 1,
     "memlab._offload": 1,
+    "memlab._movable": 1,
     "memlab._outputs": 1,
     "memlab._call_watches": 1,
     # 2: the CUDA caching allocator model; records of alloc/free with stacks, categories
