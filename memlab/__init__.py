@@ -3,7 +3,9 @@
 Importing memlab has no side effects: it does not initialise CUDA, install a trace function or print.
 The public names load their modules (and torch) on first use, so that ``import memlab`` and the
 pytest plugin (``memlab.pytest_plugin``, loaded by every pytest run where memlab is installed) cost
-nothing until something is used.
+nothing until something is used. It also wires the layers together where a lower one takes a
+higher one's behaviour as a callback: profiled calls explain their out-of-memory errors
+(:data:`memlab._call_watches.CALL_WATCHES`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from memlab import _call_watches
 
 if TYPE_CHECKING:
     import os
@@ -91,6 +95,18 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+
+def _explain_oom_watch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The :func:`explain_oom` watch of one profiled call (``func=None``: a ``with lp:`` block).
+    The line profiler enters it without importing :mod:`memlab.oom` (a higher layer), which is
+    imported at the first profiled call."""
+    from memlab.oom.watch import watching
+
+    return watching(func, args, kwargs)
+
+
+_call_watches.CALL_WATCHES.append(_explain_oom_watch)  # profiled calls explain their OOMs
 
 
 def plot_memory(

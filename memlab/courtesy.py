@@ -17,15 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memlab import _offload
 from memlab._devices import DeviceLike, cuda_device_exists, parse_device, require_usable
-from memlab._tensors import live_storages
+from memlab._movable import describe, movable_storages
 
 __all__ = ["Courtesy"]
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
@@ -233,39 +230,20 @@ class Courtesy:
 
     # -- yield ---------------------------------------------------------------------------------
     def _device_storages(self) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
-        """Storages on the device that can move, keyed by ``id`` of the storage object, with the
-        tensors to re-point at their copy; :attr:`skipped` counts the tensors left in place, and
-        a warning names those whose memory is shared."""
-        placeholders = {id(storage) for storage in self._placeholders.values()}
-        groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
-        left: dict[int, torch.Tensor] = {}
-        shared: list[str] = []
-        for key, live in live_storages(self.device).items():
-            if key in placeholders:
-                continue
-            movable = []
-            for tensor in live.tensors:
-                if _movable(tensor):
-                    movable.append(tensor)
-                else:
-                    left[id(tensor)] = tensor
-            sharing = _sharing(live.storage) if movable else None
-            if sharing is not None:
-                left.update((id(tensor), tensor) for tensor in movable)
-                shared.append(f"{_describe(movable)} ({live.storage.nbytes()} B, {sharing})")
-            elif movable and (_held_elsewhere(live.storage, len(movable)) or not _readable(live.storage)):
-                left.update((id(tensor), tensor) for tensor in movable)
-            elif movable:
-                groups[key] = (live.storage, movable)
-        self.skipped = len(left)
-        if shared:
+        """Storages on the device that can move (:mod:`memlab._movable`), keyed by ``id`` of the
+        storage object, with the tensors to re-point at their copy; :attr:`skipped` counts the
+        tensors left in place, and a warning names those whose memory is shared."""
+        found = movable_storages(self.device, {id(storage) for storage in self._placeholders.values()})
+        self.skipped = found.left
+        if found.shared:
+            count = len(found.shared)
             warnings.warn(
-                f"Courtesy left {len(shared)} storage{'s' * (len(shared) != 1)} on {self.device} in "
+                f"Courtesy left {count} storage{'s' * (count != 1)} on {self.device} in "
                 "place: their memory is shared, which moving them would break (and may free nothing): "
-                + "; ".join(shared),
+                + "; ".join(found.shared),
                 stacklevel=3,
             )
-        return groups
+        return found.groups
 
     def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> int:
         """Copy ``storage`` out, record it, re-point ``tensors``; return its bytes. It is recorded
@@ -351,7 +329,7 @@ def _not_restored(
     lines = []
     for moved, error in failed:
         where = str(moved.path) if moved.path is not None else "host copy"
-        tensors = _describe([tensor for tensor, _ in live_views(moved)])
+        tensors = describe([tensor for tensor, _ in live_views(moved)])
         lines.append(f"{where} ({moved.nbytes} B, {tensors}): {_offload.reason(error)}")
     count = len(failed)
     text = (
@@ -364,49 +342,6 @@ def _not_restored(
     error = kind(text)
     error.__cause__ = failed[0][1]
     return error
-
-
-def _describe(tensors: list[torch.Tensor]) -> str:
-    """``float32 [64, 32]`` for one tensor, a list for several."""
-    names = [f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in tensors]
-    if len(names) == 1:
-        return f"tensor {names[0]}"
-    return f"tensors {', '.join(names)}" if names else "no live tensor"
-
-
-def _sharing(storage: torch.UntypedStorage) -> str | None:
-    """What ``storage`` shares its memory with, when moving it would break that sharing; else ``None``."""
-    if storage.device.type == "cpu" and storage.is_shared():
-        return "in shared memory (share_memory_()): other processes see it"
-    if not storage.resizable():
-        # PyTorch marks a storage so when it wraps memory it does not own, and for good once
-        # .numpy() has handed the storage's memory to NumPy.
-        return "memory shared outside PyTorch (torch.from_numpy, .numpy(), frombuffer, DLPack, a memory map)"
-    return None
-
-
-def _movable(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` can be re-pointed at a copy of its storage: dense, neither nested nor
-    quantized, and not a wrapper subclass (whose inner tensors move on their own)."""
-    if type(tensor) not in _PLAIN_TYPES and is_traceable_wrapper_subclass(tensor):
-        return False
-    return tensor.layout is torch.strided and not tensor.is_nested and not tensor.is_quantized
-
-
-def _held_elsewhere(storage: torch.UntypedStorage, visible: int) -> bool:
-    """Whether tensors ``gc`` cannot see also hold ``storage`` (beyond ``visible`` ones and our handle)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is not None and use_count(storage._cdata) > visible + 1
-
-
-def _readable(storage: torch.UntypedStorage) -> bool:
-    """Whether ``storage`` hands out its data pointer (another Courtesy's placeholders and fake
-    tensors' storages refuse: they hold nothing to move)."""
-    try:
-        storage.data_ptr()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 from line_profiler.profiler_mixin import ByCountProfilerMixin
 
+from memlab._call_watches import WatchedCall
 from memlab._outputs import check_stream
 from memlab.line_profiler import display as _display
 from memlab.line_profiler import export as _export
@@ -29,7 +30,6 @@ from memlab.line_profiler.records import (
     validate_columns,
 )
 from memlab.line_profiler.tracer import Tracer
-from memlab.oom.watch import watching
 from memlab.sources.base import MemorySource
 from memlab.sources.select import Selection, SourceSelector, check_target
 
@@ -133,7 +133,7 @@ class LineProfiler(ByCountProfilerMixin):
         self._threads = threading.local()
         self._sessions = 0
         self._selection: Selection | None = None
-        self._oom_watches: list[Any] = []  # explain_oom watches of `with lp:` blocks, innermost last
+        self._block_watches: list[WatchedCall] = []  # watches of `with lp:` blocks, innermost last
         for func in functions:
             self.add_function(func)
 
@@ -248,13 +248,13 @@ class LineProfiler(ByCountProfilerMixin):
     disable = disable_by_count
 
     def __enter__(self) -> LineProfiler:
-        watch = watching()
+        watch = WatchedCall()
         watch.__enter__()
-        self._oom_watches.append(watch)
+        self._block_watches.append(watch)
         try:
             self.enable()
         except BaseException:
-            self._oom_watches.pop().__exit__(None, None, None)
+            self._block_watches.pop().__exit__(None, None, None)
             raise
         return self
 
@@ -262,18 +262,19 @@ class LineProfiler(ByCountProfilerMixin):
         try:
             self.disable()
         finally:
-            self._oom_watches.pop().__exit__(exc_type, exc, tb)
+            self._block_watches.pop().__exit__(exc_type, exc, tb)
 
     def wrap_function(self, func: Any) -> Any:
         """Wrap ``func`` so that each call enables the profiler while it runs and explains an
         out-of-memory error raised inside it (:func:`memlab.explain_oom`, with its arguments as
-        the step)."""
+        the step: ``import memlab`` registers that watch in :data:`memlab._call_watches.CALL_WATCHES`,
+        which the profiler enters around each call and each ``with lp:`` block)."""
         if self._already_a_wrapper(func):
             return func
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwds: Any) -> Any:
-            with watching(func, args, kwds):
+            with WatchedCall(func, args, kwds):
                 self.enable_by_count()
                 try:
                     return func(*args, **kwds)

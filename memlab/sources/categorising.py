@@ -18,9 +18,9 @@ import torch
 
 from memlab._tensors import check_optimizer, check_tensor
 from memlab.history import categories
-from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import Stack
 from memlab.history.series import memory_series
+from memlab.sources.allocator.snapshot import allocator_snapshot
 from memlab.sources.storages import collect_storages
 
 if TYPE_CHECKING:
@@ -178,7 +178,8 @@ class TrackerCategories:
     def snapshot(self, device: torch.device | str | int | None = None) -> dict[str, Any]:
         """The memory snapshot of ``device`` in the format of ``torch.cuda.memory._snapshot()``
         (``device=None`` read as by :meth:`memory_stats`), for PyTorch's viewer and
-        ``python -m torch.cuda._memory_viz``: see :func:`memlab.history.export.allocator_snapshot`.
+        ``python -m torch.cuda._memory_viz``: see
+        :func:`memlab.sources.allocator.snapshot.allocator_snapshot`.
 
         ``segments`` are the modelled allocator's segments and blocks now (sizes in bytes, their
         total equal to ``reserved_bytes.all.current``); with ``history`` on, each active block

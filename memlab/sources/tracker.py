@@ -6,6 +6,11 @@ its release through a weak reference on the ``UntypedStorage`` (PyTorch keeps th
 alive exactly as long as the C++ storage). Each allocation and release is replayed into a model of
 the device's allocator (by default the CUDA caching allocator), so a CPU or ``meta`` run reports the
 numbers a GPU would show.
+
+This module holds entering and exiting (threads, torch's mode stack) and the dispatch that decides
+which storages are new. The class's other halves are mixins, one concept each: the modelled device
+memory (:mod:`.device_memory`), adoption of what existed before (:mod:`.adoption`), categories and
+snapshots (:mod:`.categorising`) and the ``torch.cuda``-style readers (:mod:`.statistics`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import functools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,13 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from memlab._autocast import DisabledCudaRegions, unwatch, watch
 from memlab._gpus import GPU, GpuLike, resolve_gpu
-from memlab._tensors import check_tensor
 from memlab._units import parse_size
-from memlab.history import categories
-from memlab.history.recorder import capture_stack, make_history
+from memlab.history.recorder import make_history
 from memlab.sources.adoption import TrackerAdoption
-from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
 from memlab.sources.categorising import TrackerCategories
+from memlab.sources.device_memory import ALLOCATORS, OOM_OBSERVERS, TrackerDeviceMemory
 from memlab.sources.modules import ModuleRecorder
 from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
@@ -38,17 +40,8 @@ from memlab.sources.workspaces import CublasWorkspaces, workspace_ops
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
-_ALLOCATORS: dict[str | None, Callable[..., Any]] = {
-    "cuda": CachingAllocatorModel,
-    None: ExactAllocator,
-}
 _active: list[TensorTracker] = []  # one item per entry, in any thread, innermost last
 _active_lock = threading.Lock()
-#: Called as ``observer(tracker, storage, nbytes, error)`` when a tracker's modelled allocator raises
-#: ``torch.OutOfMemoryError`` for ``storage`` (``nbytes`` bytes; a new storage, or one grown by
-#: ``resize_``; for a cuBLAS workspace, an empty storage on its device), before the error leaves
-#: the op (:mod:`memlab.oom` captures the state of that moment). Nothing runs otherwise.
-OOM_OBSERVERS: list[Callable[[TensorTracker, torch.UntypedStorage, int, torch.OutOfMemoryError], None]] = []
 
 
 def is_active(tracker: TensorTracker) -> bool:
@@ -84,7 +77,9 @@ def _warm_up() -> None:
         torch.empty(0, device="meta")
 
 
-class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, TorchDispatchMode):
+class TensorTracker(
+    TrackerAdoption, TrackerCategories, TrackerDeviceMemory, TrackerStatistics, TorchDispatchMode
+):
     """Count tensor storages as they are created and freed, and model the memory they would take.
 
     Use it as a context manager around the code to measure. Inside, every storage created by an
@@ -169,7 +164,7 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
         modules: bool | None = None,
     ) -> None:
         super().__init__()
-        if allocator not in _ALLOCATORS:
+        if allocator not in ALLOCATORS:
             raise ValueError(
                 f"allocator must be 'cuda' (the CUDA caching allocator model) or None (exact bytes); "
                 f"got {allocator!r}"
@@ -360,46 +355,6 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
                 self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[union-attr]
         return out
 
-    def _new_allocator(self) -> Any:
-        history = make_history(self.history, capture_stack)
-        if history is not None:
-            history.free_category = categories.category_code(categories.TEMPORARY)
-        return _ALLOCATORS[self.allocator](capacity=self.capacity, history=history)
-
-    def _allocator_for(self, device: torch.device) -> Any:
-        allocator = self._allocators.get(device)
-        if allocator is None:
-            if self._resumed_workspaces and self._resumed is not None and self.workspaces is not None:
-                self.workspaces.present(device, self._resumed_workspaces)
-            allocator, self._resumed = self._resumed or self._new_allocator(), None
-            self._allocators[device] = allocator
-        return allocator
-
-    def _track(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> None:
-        """Count ``storage`` as allocated now (``nbytes``: its size, when it is not the storage's own)."""
-        if nbytes is None:
-            nbytes = storage.nbytes()
-        allocator, handle = self._malloc(storage.device, nbytes, storage)
-        ref = StorageRef(storage, self._pending.append)
-        ref.allocator, ref.handle, ref.key, ref.nbytes = allocator, handle, id(storage), nbytes
-        self._live[ref.key] = ref
-
-    def _malloc(
-        self, device: torch.device, nbytes: int, storage: torch.UntypedStorage | None
-    ) -> tuple[Any, Any]:
-        """``(allocator, handle)``: ``nbytes`` allocated on ``device``'s allocator (``handle`` is
-        ``None`` for 0 bytes). An out-of-memory error is told to the observers, naming ``storage``
-        (an empty storage on ``device`` for memory no storage holds), then raised."""
-        allocator = self._allocator_for(device)
-        if device not in self._seen:
-            self._seen[device] = None
-        try:
-            return allocator, (allocator.malloc(nbytes) if nbytes else None)
-        except torch.OutOfMemoryError as error:
-            named = storage if storage is not None else torch.UntypedStorage(0, device=device)
-            self._out_of_memory(named, nbytes, error)
-            raise
-
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         """``storage`` was just resized (:mod:`memlab.sources.resizes`), in any thread: count it
         where this thread's ops reach the tracker (it is on the thread's dispatch mode stack, as
@@ -408,96 +363,3 @@ class TensorTracker(TrackerAdoption, TrackerCategories, TrackerStatistics, Torch
             return
         if any(mode is self for mode in _get_current_dispatch_mode_stack()):
             self._count_resize(storage)
-
-    def _count_resize(self, storage: torch.UntypedStorage) -> None:
-        """Count the resize of ``storage`` as the allocator sees it: a new block, the old one freed."""
-        with self._lock:
-            if self._pending:
-                self._drain()
-            ref = self._live.get(id(storage))
-            if ref is not None:
-                self._resize(ref, storage)
-            elif storage.nbytes():
-                self._track(storage)  # a storage not counted, given a new block here: that block is new
-
-    @property
-    def gpu(self) -> GPU | None:
-        """The GPU modelled (``allocator="cuda"``; else ``None``), read at first use: on a machine
-        with CUDA the GPU in use (which initializes CUDA), else :data:`memlab._gpus.DEFAULT_GPU`."""
-        if self.allocator is None:
-            return None
-        if self._gpu is None:
-            self._gpu = resolve_gpu(None)
-        return self._gpu
-
-    @property
-    def workspaces(self) -> CublasWorkspaces | None:
-        """The cuBLAS workspaces of :attr:`gpu` (``None`` with ``allocator=None``), made at first
-        use: the environment's workspace settings are read then, as PyTorch reads them at a
-        process's first matmul."""
-        if self._workspaces is None and self.allocator is not None:
-            self._workspaces = CublasWorkspaces(self.gpu)  # type: ignore[arg-type]
-        return self._workspaces
-
-    def _allocate_workspace(self, device: torch.device, nbytes: int) -> None:
-        """Allocate a cuBLAS workspace of ``nbytes`` on ``device``'s allocator, for good (category
-        ``workspace``); an out-of-memory error names an empty storage on ``device`` to the observers."""
-        allocator, handle = self._malloc(device, nbytes, None)
-        if handle is not None and allocator.history is not None:
-            allocator.history.set_category(allocator._extent(handle)[0], categories.WORKSPACE)
-
-    def _resize(self, ref: StorageRef, storage: torch.UntypedStorage) -> None:
-        # resize_bytes_cuda: to 0 bytes it frees the block; to any other size it allocates the new
-        # block, copies, then frees the old one (both are held for a moment).
-        nbytes = storage.nbytes()
-        try:
-            handle = ref.allocator.malloc(nbytes) if nbytes else None
-        except torch.OutOfMemoryError as error:
-            self._out_of_memory(storage, nbytes, error)
-            raise
-        if ref.handle is not None:
-            ref.allocator.free(ref.handle)
-        ref.handle, ref.nbytes = handle, nbytes
-
-    def _out_of_memory(
-        self, storage: torch.UntypedStorage, nbytes: int, error: torch.OutOfMemoryError
-    ) -> None:
-        for observer in list(OOM_OBSERVERS):
-            observer(self, storage, nbytes, error)
-
-    def block_address(self, tensor: torch.Tensor) -> int | None:
-        """The address of the modelled block that holds ``tensor``'s (first) storage, as
-        :meth:`snapshot` lists it, or ``None`` where the tracker did not count that storage."""
-        check_tensor(tensor)
-        if self._pending:
-            self._drain()
-        storages: list[torch.UntypedStorage] = []
-        collect_storages(tensor, storages)
-        ref = self._live.get(id(storages[0])) if storages else None
-        if ref is None or ref.handle is None or ref() is not storages[0]:
-            return None
-        return ref.allocator._extent(ref.handle)[0]
-
-    def block_size(self, tensor: torch.Tensor) -> int | None:
-        """The bytes of the modelled block that holds ``tensor``'s (first) storage, as
-        ``allocated_bytes`` counts it, or ``None`` where the tracker did not count that storage."""
-        check_tensor(tensor)
-        if self._pending:
-            self._drain()
-        storages: list[torch.UntypedStorage] = []
-        collect_storages(tensor, storages)
-        ref = self._live.get(id(storages[0])) if storages else None
-        if ref is None or ref.handle is None or ref() is not storages[0]:
-            return None
-        return ref.allocator.block_size(ref.handle)
-
-    def _drain(self) -> None:
-        pending, live = self._pending, self._live
-        with self._lock:
-            while pending:
-                ref = pending.popleft()
-                if live.get(ref.key) is ref:
-                    del live[ref.key]
-                if ref.handle is not None:
-                    ref.allocator.free(ref.handle)
-                    ref.handle = None

@@ -158,7 +158,7 @@ def test_with_history_off_no_frame_is_ever_captured(monkeypatch):
     def walker():
         raise AssertionError("a frame was captured")
 
-    monkeypatch.setattr("memlab.sources.tracker.capture_stack", walker)
+    monkeypatch.setattr("memlab.sources.device_memory.capture_stack", walker)
     with TensorTracker() as tracker:
         x = torch.ones(1000) * 2
         del x

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from memlab._units import parse_size
-from memlab.history.export import allocator_snapshot
 from memlab.history.recorder import (
     ALLOC,
     FREE_COMPLETED,
@@ -28,7 +27,8 @@ from memlab.history.recorder import (
     make_history,
 )
 from memlab.sources.allocator.messages import oom_message
-from memlab.sources.stats import StatTable, decrease, increase
+from memlab.sources.allocator.snapshot import allocator_snapshot
+from memlab.sources.allocator.stats import StatTable, decrease, increase
 
 __all__ = [
     "KEY_SHIFT",
@@ -132,8 +132,9 @@ class AllocatorBase:
         """The dict of ``torch.cuda.memory._snapshot()`` for this allocator as CUDA device ``device``:
         ``segments`` (what ``snapshot()`` lists, with PyTorch's extra keys and the frames that
         allocated each block) and ``device_traces`` (this allocator's :attr:`history`, empty
-        without one). See :func:`memlab.history.export.allocator_snapshot`. ``snapshot()`` keeps
-        returning only the segments, as ``torch.cuda.memory_snapshot()`` does."""
+        without one). See :func:`memlab.sources.allocator.snapshot.allocator_snapshot`.
+        ``snapshot()`` keeps returning only the segments, as ``torch.cuda.memory_snapshot()``
+        does."""
         return allocator_snapshot(self, device)
 
     def reset_peak_memory_stats(self) -> None:

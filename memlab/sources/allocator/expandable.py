@@ -22,7 +22,7 @@ from bisect import bisect_left
 from memlab.history.recorder import SEGMENT_MAP, SEGMENT_UNMAP, History
 from memlab.sources.allocator.blocks import KEY_SHIFT, Block, BlockPool, change_pair
 from memlab.sources.allocator.config import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, AllocatorConfig
-from memlab.sources.stats import StatTable
+from memlab.sources.allocator.stats import StatTable
 
 __all__ = ["ExpandableSegments"]
 
