@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import linecache
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -36,8 +34,9 @@ from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import format_size
 from memlab.estimate.copies import Copier, named_objects
+from memlab.estimate.outside import outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
-from memlab.estimate.result import HOW, Estimate
+from memlab.estimate.result import HOW, Estimate, EstimateError
 from memlab.estimate.sizes import RealSizes
 from memlab.history import categories
 from memlab.history.recorder import capture_stack
@@ -53,10 +52,6 @@ _OP_NAMES = {
     "index": "indexing with a boolean mask",
     "masked_select": "masked_select (indexing with a boolean mask)",
 }
-
-
-class EstimateError(ValueError):
-    """The call cannot be estimated as given (the message says why and what to change)."""
 
 
 class _Tracker(TensorTracker):
@@ -256,7 +251,7 @@ def run_estimate(
         call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))
         if with_grads:
             _give_gradients(copier.modules)
-        outside = _watch_outside(mode)
+        outside = watch_outside(mode)
         for module in copier.modules:
             tracker.add_model(module)
         for optimizer in copier.optimizers:
@@ -309,7 +304,7 @@ def run_estimate(
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
         if tracker.forced_by is None:
-            caveats += _outside_tensors(outside) + tracker.size_caveats + copier.caveats
+            caveats += outside_tensors(outside) + tracker.size_caveats + copier.caveats
             if device.type == "cuda":
                 caveats += tracker.workspaces.caveats()  # cuDNN's convolution workspaces
             if kernels is not None:
@@ -426,52 +421,3 @@ def _give_gradients(modules: list[torch.nn.Module]) -> None:
 def _stats_device(tracker: TensorTracker) -> torch.device:
     devices = tracker.devices
     return devices[0] if devices else torch.device("meta")
-
-
-def _watch_outside(mode: FakeTensorMode | None) -> list[torch.Tensor]:
-    """From now on, the real tensors ``mode`` is handed by an op: tensors the call reached other
-    than through its copied arguments (the constants fake tensors make of literals are not, nor
-    the outputs of an op without a meta kernel, which ``mode`` runs for real on zeros and hands
-    back as fake tensors: the tracker counts those as the op's outputs). One that requires grad
-    is an :class:`EstimateError` at once: backward would give it a gradient."""
-    found: list[torch.Tensor] = []
-    if mode is None:
-        return found
-    converter = mode.fake_tensor_converter
-    convert = converter.from_real_tensor
-
-    def from_real_tensor(
-        fake_mode: Any, tensor: torch.Tensor, make_constant: bool = False, *a: Any, **k: Any
-    ) -> Any:
-        if not make_constant and converter._get_memo(tensor) is None and not _fallback_output():
-            if tensor.requires_grad:
-                what = f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
-                raise EstimateError(
-                    f"fn used a tensor that requires grad and is not among its arguments or the names it "
-                    f"uses ({what}), e.g. a parameter of a model another module holds; pass the model and "
-                    f"optimizer to fn as arguments so that the estimate copies them"
-                )
-            found.append(tensor)
-        return convert(fake_mode, tensor, make_constant, *a, **k)
-
-    converter.from_real_tensor = from_real_tensor
-    return found
-
-
-def _fallback_output() -> bool:
-    """Whether ``from_real_tensor`` is being called by FakeTensorMode's fallback for an op without a
-    meta kernel, on the op's real outputs (torch/_subclasses/fake_tensor.py: run_fallback_kernel,
-    map_out): two frames up from here."""
-    caller = sys._getframe(2).f_code
-    return caller.co_name == "map_out" and caller.co_filename == fake_tensor.__file__
-
-
-def _outside_tensors(found: list[torch.Tensor]) -> list[str]:
-    """The caveat for tensors the call reached other than through its arguments: not counted."""
-    if not found:
-        return []
-    nbytes = sum(t.untyped_storage().nbytes() for t in found)
-    return [
-        f"{len(found)} tensor(s) ({format_size(nbytes)}) that fn reached other than through its arguments "
-        f"were used but not counted (pass them as arguments to count them)"
-    ]

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
     from memlab.sources.module_table import ModuleTable
 
-__all__ = ["CANNOT_SEE", "HOW", "Estimate"]
+__all__ = ["CANNOT_SEE", "HOW", "Estimate", "EstimateError"]
+
+
+class EstimateError(ValueError):
+    """The call cannot be estimated as given (the message says why and what to change)."""
+
 
 HOW = {
     "fake": "fake tensors",

@@ -15,7 +15,7 @@ same process group (a real one, or :func:`memlab.distributed.fake_group`'s, whic
 is built: it is built when the estimate's tracker is counting (:meth:`Copier.finish`).
 
 What a copy cannot carry: FSDP2 over DTensor parameters (tensor parallelism inside FSDP),
-``dp_mesh_dims`` SPMD meshes and per-parameter meshes are an :class:`~memlab.estimate.estimate.EstimateError`
+``dp_mesh_dims`` SPMD meshes and per-parameter meshes are an :class:`~memlab.estimate.result.EstimateError`
 naming the module; a DDP communication hook registered with ``register_comm_hook`` is re-registered.
 """
 
@@ -81,7 +81,7 @@ def copy_fully_sharded(copier: Copier, module: torch.nn.Module) -> torch.nn.Modu
     """A data-free copy of ``module`` with ``fully_shard`` re-applied to the copies of the modules it
     was applied to; the copier remembers each original sharded parameter's copy (optimizers copied
     later are bound to them), and copies their gradients."""
-    from memlab.estimate.estimate import EstimateError
+    from memlab.estimate.result import EstimateError
 
     states = _fsdp_states(module)
     names = {id(sub): name for name, sub in module.named_modules()}
