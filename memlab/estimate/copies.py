@@ -300,23 +300,6 @@ class _Rebinder:
         self.done[id(fn)] = new
         return new
 
-    def modules_first(self, roots: list[Any]) -> None:
-        """Copy the modules among ``roots`` (and inside the lists, tuples, dicts, named tuples and
-        dataclasses :meth:`__call__` enters) before anything else, so that an optimizer copied
-        later, whatever the order it is named in, is bound to the parameters of the modules' copies
-        (which FSDP2 makes anew when it shards a copy)."""
-        todo = list(roots)
-        while todo:
-            obj = todo.pop(0)
-            if isinstance(obj, torch.nn.Module):
-                self(obj)
-            elif type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
-                todo.extend(obj)
-            elif type(obj) is dict:
-                todo.extend(obj.values())
-            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-                todo.extend(getattr(obj, field.name) for field in dataclasses.fields(obj))
-
     def finish(self) -> None:
         """Point the copied namespace's names at the rebuilt functions (a function reached again
         through recursion was first left as it was)."""

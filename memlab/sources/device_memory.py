@@ -145,19 +145,17 @@ class TrackerDeviceMemory:
     def block_address(self, tensor: torch.Tensor) -> int | None:
         """The address of the modelled block that holds ``tensor``'s (first) storage, as
         :meth:`snapshot` lists it, or ``None`` where the tracker did not count that storage."""
-        check_tensor(tensor)
-        if self._pending:
-            self._drain()
-        storages: list[torch.UntypedStorage] = []
-        collect_storages(tensor, storages)
-        ref = self._live.get(id(storages[0])) if storages else None
-        if ref is None or ref.handle is None or ref() is not storages[0]:
-            return None
-        return ref.allocator._extent(ref.handle)[0]
+        ref = self._block_ref(tensor)
+        return None if ref is None else ref.allocator._extent(ref.handle)[0]
 
     def block_size(self, tensor: torch.Tensor) -> int | None:
         """The bytes of the modelled block that holds ``tensor``'s (first) storage, as
         ``allocated_bytes`` counts it, or ``None`` where the tracker did not count that storage."""
+        ref = self._block_ref(tensor)
+        return None if ref is None else ref.allocator.block_size(ref.handle)
+
+    def _block_ref(self, tensor: torch.Tensor) -> Any:
+        """The live reference to the modelled block of ``tensor``'s (first) storage, or ``None``."""
         check_tensor(tensor)
         if self._pending:
             self._drain()
@@ -166,7 +164,7 @@ class TrackerDeviceMemory:
         ref = self._live.get(id(storages[0])) if storages else None
         if ref is None or ref.handle is None or ref() is not storages[0]:
             return None
-        return ref.allocator.block_size(ref.handle)
+        return ref
 
     def _drain(self) -> None:
         pending, live = self._pending, self._live
