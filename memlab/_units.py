@@ -1,12 +1,14 @@
-"""Byte sizes: parse the strings people write ("2 GiB", "512MB") and print sizes like pytorch_memlab."""
+"""Byte sizes: parse the strings people write ("2 GiB", "512MB") and print sizes like pytorch_memlab;
+check counts (steps, world sizes)."""
 
 from __future__ import annotations
 
 import math
 import re
 from decimal import Decimal
+from typing import Any
 
-__all__ = ["format_size", "format_sizes_apart", "parse_size"]
+__all__ = ["check_count", "format_size", "format_sizes_apart", "parse_size"]
 
 _PRINT_UNITS = ("B", "K", "M", "G", "T", "P")
 
@@ -91,3 +93,13 @@ def parse_size(size: int | str, *, name: str = "size") -> int:
             "(units: B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB, KB, MB, GB, TB, PB)"
         )
     return int(Decimal(match.group(1)) * _UNIT_FACTORS[unit])
+
+
+def check_count(value: Any, name: str, minimum: int) -> int:
+    """``value`` if it is an int of at least ``minimum``; else a ``TypeError``/``ValueError``
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

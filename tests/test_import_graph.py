@@ -278,7 +278,8 @@ def test_a_loop_is_reported_with_the_import_that_makes_each_edge():
     edges = unit_edges(imports)
     cycle = find_cycle(edges)
     assert cycle is not None
-    assert cycle[0] == cycle[-1] and set(cycle) == {"memlab.estimate", "memlab.line_profiler", "memlab.oom"}
+    # oom -> estimate -> line_profiler, or oom -> estimate -> distributed -> line_profiler: both loops
+    assert cycle[0] == cycle[-1] and {"memlab.estimate", "memlab.line_profiler", "memlab.oom"} <= set(cycle)
     described = describe_cycle(cycle, edges)
     assert (
         "  memlab.line_profiler -> memlab.oom: memlab/line_profiler/profiler.py:32 imports memlab.oom.watch"

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["FakeGroupError", "fake_group"]
+from memlab._units import check_count
+
+__all__ = ["FakeGroupError", "fake_group", "is_fake", "standalone_group"]
 
 BACKEND = "memlab_fake"
 
@@ -48,8 +50,6 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
     it. A process group that is initialised already (a real job's) is a :class:`FakeGroupError`:
     estimate with it directly, or call ``fake_group`` outside the job.
     """
-    from memlab.estimate.estimate import check_count
-
     world_size = check_count(world_size, "world_size", 1)
     rank = check_count(rank, "rank", 0)
     if rank >= world_size:
@@ -71,6 +71,18 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
         yield dist.distributed_c10d._get_default_group()
     finally:
         dist.destroy_process_group()
+
+
+def standalone_group(rank: int, world_size: int) -> Any:
+    """A group like :func:`fake_group`'s, registered nowhere: a data-free copy's stand-in for a real
+    job's group (DDP's communication hook needs a future, which a collective on fake tensors
+    through a real backend does not give)."""
+    return _group_class()(rank, world_size)
+
+
+def is_fake(group: Any) -> bool:
+    """Whether ``group`` is one of this module's groups."""
+    return _GROUP is not None and isinstance(group, _GROUP)
 
 
 def _register_backend() -> None:
@@ -119,7 +131,10 @@ def _group_class() -> type:
 
         @property
         def group_name(self) -> str:
-            return dist.distributed_c10d._world.pg_names[self]
+            # a group made by standalone_group is registered nowhere
+            return dist.distributed_c10d._world.pg_names.get(
+                self, f"{BACKEND}_{self._rank}_of_{self._world_size}"
+            )
 
         def getBackendName(self) -> str:
             return BACKEND

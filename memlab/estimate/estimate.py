@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
-from memlab._units import format_size
+from memlab._units import check_count, format_size
 from memlab.estimate.copies import Copier, named_objects
 from memlab.estimate.outside import outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
@@ -164,16 +164,6 @@ def estimate(
     modelled = resolve_gpu(gpu)
     target = _target("cuda" if device is None and gpu is not None else device, (fn, args, kwargs))
     return run_estimate(fn, lambda: (args, kwargs), target, steps=steps, gpu=modelled)
-
-
-def check_count(value: Any, name: str, minimum: int) -> int:
-    """``value`` if it is an int of at least ``minimum``; else a ``TypeError``/``ValueError``
-    naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _target(device: torch.device | str | None, roots: Any) -> torch.device:

@@ -16,8 +16,8 @@ import torch
 
 from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
-from memlab._units import format_size, parse_size
-from memlab.estimate.estimate import Estimate, check_count, run_estimate
+from memlab._units import check_count, format_size, parse_size
+from memlab.estimate.estimate import Estimate, run_estimate
 
 __all__ = ["BatchFit", "default_budget", "max_batch_size", "modelled_gpu", "search"]
 

@@ -255,7 +255,7 @@ def copy_data_parallel(copier: Copier, ddp: torch.nn.Module) -> tuple[torch.nn.M
         "device_ids": ddp.device_ids,
         "output_device": ddp.output_device,
         "dim": ddp.dim,
-        "process_group": ddp.process_group,
+        "process_group": _fake_stand_in(ddp.process_group),
         "bucket_cap_mb": ddp.bucket_bytes_cap / (1024 * 1024),
         "find_unused_parameters": ddp.find_unused_parameters,
         "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
@@ -276,6 +276,16 @@ def copy_data_parallel(copier: Copier, ddp: torch.nn.Module) -> tuple[torch.nn.M
 
     copier.caveats.append(REBUILD_CAVEAT)
     return new, build
+
+
+def _fake_stand_in(group: Any) -> Any:
+    """The group a DDP copy reduces over: ``group`` if it moves no data
+    (:func:`memlab.distributed.fake_group`'s), else a group of the same rank and size that completes
+    every collective at once (a real backend's collective on fake tensors gives DDP's communication
+    hook no future)."""
+    from memlab.distributed.fake import is_fake, standalone_group
+
+    return group if is_fake(group) else standalone_group(group.rank(), group.size())
 
 
 #: The caveat of an estimate of a DDP model.

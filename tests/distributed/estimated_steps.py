@@ -1,7 +1,8 @@
 """What each rank runs in the tests that hold estimates under ``fake_group`` against real runs
 (imported by the spawned processes): a model built from one seed, sharded with FSDP2 or wrapped in
 DDP, trained for two steps under a ``TensorTracker`` that adopted the model, the optimizer and the
-batch first (the order ``memlab.estimate`` adopts its copies in). Rank 0 writes the tracker's stats."""
+batch first (the order ``memlab.estimate`` adopts its copies in), after an estimate of the same steps
+inside the real process group. Rank 0 writes the tracker's stats and the estimate's."""
 
 from __future__ import annotations
 
@@ -81,14 +82,24 @@ def tracked_steps(wrapping: str, steps: int = 2) -> dict[str, int]:
     return {key: stats[key] for key in KEYS}
 
 
+def estimated_steps(wrapping: str, steps: int = 2) -> dict[str, int]:
+    """``memlab.estimate`` of the steps :func:`tracked_steps` runs, in the process group at hand."""
+    model = make_model()
+    model = fsdp2(model) if wrapping == "fsdp2" else ddp(model)
+    optimizer = torch.optim.Adam(model.parameters())
+    estimate = memlab.estimate(train_step, model, optimizer, batch(), steps=steps)
+    return {key: estimate.stats[key] for key in KEYS}
+
+
 def run_rank(rank: int, world: int, out: str, wrapping: str) -> None:
-    """Train on this rank; rank 0 writes ``out``/stats.json."""
+    """Estimate the steps inside the real process group, then train on this rank; rank 0 writes
+    ``out``/stats.json: ``{"real": stats, "estimate": stats}``."""
     dist.init_process_group(
         "gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank, world_size=world,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     try:
-        stats: Any = tracked_steps(wrapping)
+        stats: Any = {"estimate": estimated_steps(wrapping), "real": tracked_steps(wrapping)}
         if rank == 0:
             with open(os.path.join(out, "stats.json"), "w") as file:
                 json.dump(stats, file)
