@@ -20,6 +20,7 @@ Values are not reduced: a loss all-reduced inside a fake group is this rank's lo
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +72,36 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
         yield dist.distributed_c10d._get_default_group()
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear PyTorch's caches of DTensor sharding and redistribution decisions, which keep the
+    device meshes made inside the group alive after it, each with its tensor of ranks: tensors left
+    behind in the user's process, which a profiler that counts the tensors alive would count. The
+    caches are ``functools`` caches in ``torch.distributed.tensor`` (module functions and class
+    methods) and its dispatcher's (cleared as PyTorch's debug helpers clear them); they fill again
+    on the next DTensor op."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _redistribute, debug
+
+    clears = [
+        debug._clear_python_sharding_prop_cache,
+        debug._clear_fast_path_sharding_prop_cache,
+        _redistribute.clear_redistribute_planner_cache,
+    ]
+    prefixes = ("torch.distributed.tensor", "torch.distributed.device_mesh")
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(prefixes):
+            continue
+        for value in list(vars(module).values()):
+            held = [value, *vars(value).values()] if isinstance(value, type) else [value]
+            held = [getattr(h, "__func__", h) for h in held]  # a static method's function
+            clears += [h.cache_clear for h in held if callable(getattr(h, "cache_clear", None))]
+    for clear in clears:
+        with contextlib.suppress(Exception):  # private helpers: one that moved or refuses is skipped
+            clear()
 
 
 def standalone_group(rank: int, world_size: int) -> Any:
