@@ -113,16 +113,7 @@ def test_a_tensor_parallel_model_is_estimated_as_it_runs():
         x = batch()
         estimates = [memlab.estimate(train_step, model, optimizer, x, steps=k) for k in (1, 2)]
         assert all(p.grad is None for p in model.parameters()) and not optimizer.state
-        # the same steps for real in this process, the other rank's collectives moving no data
-        with memlab.TensorTracker(history=True, model=model, optimizer=optimizer) as tracker:
-            tracker.adopt(roots=[model])
-            tracker.adopt(roots=[optimizer])
-            tracker.adopt(roots=[x], category="input")
-            measured = []
-            for _ in range(2):
-                loss = train_step(model, optimizer, x)
-                measured.append({key: tracker.memory_stats()[key] for key in KEYS})
-            del loss
+        measured = tracked_in_process(model, optimizer, x)
     for estimate, stats in zip(estimates, measured, strict=True):
         assert (estimate.method, estimate.caveats) == ("fake", [])
         assert {key: estimate.stats[key] for key in KEYS} == stats
@@ -157,3 +148,41 @@ def test_an_optimizer_named_before_its_sharded_model_is_bound_to_the_sharded_cop
         reversed_ = memlab.estimate(lambda o, m, b: train_step(m, o, b), optimizer, model, x, steps=2)
     assert {key: reversed_.stats[key] for key in KEYS} == {key: in_order.stats[key] for key in KEYS}
     assert reversed_.by_category("end")["optimizer_state"] == 2 * shards(2) + 6 * 512
+
+
+def tracked_in_process(model, optimizer, x, steps=2):
+    """The stats after each of ``steps`` real steps in this process (inside a fake group: the other
+    ranks' collectives move no data, and each rank's memory is this one's)."""
+    with memlab.TensorTracker(history=True, model=model, optimizer=optimizer) as tracker:
+        tracker.adopt(roots=[model])
+        tracker.adopt(roots=[optimizer])
+        tracker.adopt(roots=[x], category="input")
+        measured = []
+        for _ in range(steps):
+            loss = train_step(model, optimizer, x)
+            measured.append({key: tracker.memory_stats()[key] for key in KEYS})
+        del loss
+    return measured
+
+
+def test_fsdp2_settings_made_after_sharding_are_carried_into_the_estimate():
+    from torch.distributed.fsdp import fully_shard
+
+    with fake_group(4):
+        model = make_model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, reshard_after_forward=False)
+        fully_shard(model)
+        model.set_reshard_after_backward(False)  # the gathered parameters stay after backward
+        optimizer = torch.optim.Adam(model.parameters())
+        x = batch()
+        estimates = [memlab.estimate(train_step, model, optimizer, x, steps=k) for k in (1, 2)]
+        # without the setting the estimate holds less after backward: the setting was carried
+        model.set_reshard_after_backward(True)
+        resharding = memlab.estimate(train_step, model, optimizer, x, steps=1)
+        model.set_reshard_after_backward(False)
+        measured = tracked_in_process(model, optimizer, x)
+    for estimate, stats in zip(estimates, measured, strict=True):
+        assert {key: estimate.stats[key] for key in KEYS} == stats
+    assert resharding.stats["allocated_bytes.all.current"] < estimates[0].stats["allocated_bytes.all.current"]
