@@ -133,6 +133,12 @@ def estimate(
     ``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE`` and ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``
     give (:mod:`memlab.sources.workspaces`).
 
+    A model sharded with FSDP2 (``fully_shard``) or wrapped in DDP is copied without its wrapper
+    and wrapped again, with the same arguments and process group (:mod:`memlab.estimate.sharded`):
+    the estimate is this rank's, inside a real job or inside
+    :func:`memlab.distributed.fake_group` for a job of any size; DTensor models are copied shard
+    by shard.
+
     Where a real kernel allocates other storages than its meta kernel
     (:data:`memlab.estimate.sizes.CORRECTIONS`), the estimate counts the real kernel's; for a CPU
     LSTM layer, oneDNN's workspace, measured once per layer shape by running the kernel on zeros
