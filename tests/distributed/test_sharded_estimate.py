@@ -86,9 +86,9 @@ def test_the_ddp_estimate_is_rank_0_of_a_real_run_within_the_bucket_rebuild(real
 
     assert estimate.caveats == [REBUILD_CAVEAT]
     assert estimate.stats["reserved_bytes.all.peak"] == measured["reserved_bytes.all.peak"]
-    # the real run's rebuilt buckets hold 1,038,336 B more after step 1 (the caveat says so)
+    # after the rebuild, the real run holds nothing or 1,038,336 B more, run to run (the caveat says so)
     for key in ("allocated_bytes.all.peak", "allocated_bytes.all.current"):
-        assert measured[key] - estimate.stats[key] == 1_038_336
+        assert measured[key] - estimate.stats[key] in (0, 1_038_336)
     peak = measured["allocated_bytes.all.peak"]
     assert peak - estimate.stats["allocated_bytes.all.peak"] < 0.01 * peak
     assert all(p.grad is None for p in model.parameters())
