@@ -8,9 +8,10 @@ that rank without starting the other seven. PyTorch's own fake backend (``"fake"
 DDP's backward fails on it (``comm.cpp``: "expected the hook result is either a Tensor or a
 TensorList found None"). The group here is a Python ``ProcessGroup`` (as PyTorch's multi-threaded
 test group is) whose every collective returns a completed ``Work`` whose future holds its output
-tensors, untouched: no data moves, no byte is allocated beyond what the caller allocated for the
-output (as NCCL's collectives, in place on the caller's buffers, do), and DDP, FSDP2, DTensor
-redistribution and plain collectives all run.
+tensors: no data moves between ranks (an all-gather fills each rank's slot with this rank's input,
+in place), no byte is allocated beyond what the caller allocated for the output (as NCCL's
+collectives, in place on the caller's buffers, do), and DDP, FSDP2, DTensor redistribution and
+plain collectives all run.
 
 What it cannot see: the other ranks. Every rank's tensors are taken to be shaped as this rank's,
 which holds for data parallelism (FSDP, DDP, HSDP) but not for uneven splits of a pipeline.
@@ -84,13 +85,15 @@ def _forget_meshes() -> None:
     on the next DTensor op."""
     if "torch.distributed.tensor" not in sys.modules:
         return
-    from torch.distributed.tensor import _redistribute, debug
+    clears: list[Any] = []
+    with contextlib.suppress(ImportError, AttributeError):  # private helpers: ones that moved are skipped
+        from torch.distributed.tensor import _redistribute, debug
 
-    clears = [
-        debug._clear_python_sharding_prop_cache,
-        debug._clear_fast_path_sharding_prop_cache,
-        _redistribute.clear_redistribute_planner_cache,
-    ]
+        clears += [
+            debug._clear_python_sharding_prop_cache,
+            debug._clear_fast_path_sharding_prop_cache,
+            _redistribute.clear_redistribute_planner_cache,
+        ]
     prefixes = ("torch.distributed.tensor", "torch.distributed.device_mesh")
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith(prefixes):
