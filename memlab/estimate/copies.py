@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from memlab.estimate import sharded
+
 __all__ = ["Copier"]
 
 # Objects an estimate copies; anything else is shared with the user's program.
@@ -155,8 +157,6 @@ class Copier:
             build()
 
     def _module(self, module: torch.nn.Module) -> torch.nn.Module:
-        from memlab.estimate import sharded
-
         if sharded.is_data_parallel(module):
             new, build = sharded.copy_data_parallel(self, module)
             self._remember(module, new)

@@ -9,14 +9,16 @@ parameter as a tensor of its whole, unsharded shape: fake, so no byte is allocat
 state (mesh, ``reshard_after_forward``, mixed-precision and offload policies, shard placements,
 ignored parameters) and the settings changed after it (``set_reshard_after_backward``,
 ``set_requires_gradient_sync``, a custom reduce-scatter, prefetching). FSDP2 then shards the copies
-as it sharded the originals, over the same mesh, and every collective of the estimate runs on the
-same process group (a real one, or :func:`memlab.distributed.fake_group`'s, which moves no data).
-:func:`copy_data_parallel` does the same for DDP, whose reducer allocates its gradient buckets when it
-is built: it is built when the estimate's tracker is counting (:meth:`Copier.finish`).
+as it sharded the originals, over the same mesh and process group (a real one, or
+:func:`memlab.distributed.fake_group`'s, which moves no data). :func:`copy_data_parallel` does the
+same for DDP (communication hooks registered with ``register_comm_hook`` included), whose reducer
+allocates its gradient buckets when it is built: it is built when the estimate's tracker is counting
+(:meth:`Copier.finish`), over the original's group if that is a fake one, else over a stand-in of the
+same rank and size.
 
 What a copy cannot carry: FSDP2 over DTensor parameters (tensor parallelism inside FSDP),
 ``dp_mesh_dims`` SPMD meshes and per-parameter meshes are an :class:`~memlab.estimate.result.EstimateError`
-naming the module; a DDP communication hook registered with ``register_comm_hook`` is re-registered.
+naming the module; DDP's bucket rebuild before the second forward is skipped (:data:`REBUILD_CAVEAT`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from memlab.estimate.result import EstimateError
 
 if TYPE_CHECKING:
     from memlab.estimate.copies import Copier
@@ -81,14 +85,12 @@ def copy_fully_sharded(copier: Copier, module: torch.nn.Module) -> torch.nn.Modu
     """A data-free copy of ``module`` with ``fully_shard`` re-applied to the copies of the modules it
     was applied to; the copier remembers each original sharded parameter's copy (optimizers copied
     later are bound to them), and copies their gradients."""
-    from memlab.estimate.result import EstimateError
-
     states = _fsdp_states(module)
     names = {id(sub): name for name, sub in module.named_modules()}
     fsdp_params = {}
     for state in states:
         for group in state._fsdp_param_groups:
-            _check_supported(group, _describe(state._modules[0], names), EstimateError)
+            _check_supported(group, _describe(state._modules[0], names))
             for fsdp_param in group.fsdp_params:
                 fsdp_params[id(fsdp_param.sharded_param)] = fsdp_param
     memo: dict[int, Any] = {}
@@ -148,25 +150,37 @@ def _fsdp_states(module: torch.nn.Module) -> list[Any]:
     return list(states.values())
 
 
+def _user_class(module: torch.nn.Module) -> type:
+    """``module``'s class as the user wrote it: ``fully_shard`` swaps in a subclass of it and
+    ``FSDPModule``."""
+    fsdp = _fsdp_module_class()
+    cls = type(module)
+    return next(base for base in cls.__bases__ if base is not fsdp) if isinstance(module, fsdp) else cls
+
+
 def _describe(module: torch.nn.Module, names: dict[int, str]) -> str:
     """``the model (Sequential)`` or ``module 'layers.0' (Block)``: its class as the user wrote it."""
-    fsdp = _fsdp_module_class()
-    cls = next(base for base in type(module).__bases__ if base is not fsdp)
+    cls = _user_class(module)
     name = names.get(id(module), "")
     return f"module {name!r} ({cls.__name__})" if name else f"the model ({cls.__name__})"
 
 
-def _check_supported(group: Any, where: str, error: type[Exception]) -> None:
+def _check_supported(group: Any, where: str) -> None:
+    """An :class:`EstimateError` for FSDP2 groups a copy cannot re-create."""
     if getattr(group.mesh_info, "is_spmd_mesh", False):
-        raise error(f"cannot estimate {where}: FSDP2 with dp_mesh_dims (an SPMD mesh) is not supported")
+        raise EstimateError(
+            f"cannot estimate {where}: FSDP2 with dp_mesh_dims (an SPMD mesh) is not supported"
+        )
     for fsdp_param in group.fsdp_params:
         if fsdp_param.is_dtensor:
-            raise error(
+            raise EstimateError(
                 f"cannot estimate {where}: FSDP2 over DTensor parameters (tensor parallelism inside FSDP) "
                 f"is not supported; estimate the tensor-parallel model without fully_shard"
             )
         if fsdp_param.mesh_info is not group.mesh_info:
-            raise error(f"cannot estimate {where}: a parameter sharded over its own mesh is not supported")
+            raise EstimateError(
+                f"cannot estimate {where}: a parameter sharded over its own mesh is not supported"
+            )
 
 
 def _arguments(
@@ -205,10 +219,7 @@ def _plain_module(
     found = modules.get(id(module))
     if found is not None:
         return found
-    fsdp = _fsdp_module_class()
-    cls = type(module)
-    if isinstance(module, fsdp):
-        cls = next(base for base in cls.__bases__ if base is not fsdp)
+    cls = _user_class(module)
     new = cls.__new__(cls)
     modules[id(module)] = new
     from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
@@ -263,7 +274,7 @@ def copy_data_parallel(copier: Copier, ddp: torch.nn.Module) -> tuple[torch.nn.M
         "mixed_precision": ddp.mixed_precision,
         "init_sync": False,  # the original checked the ranks' parameters and synchronised them
     }
-    ignored = [name for name in getattr(ddp, "parameters_to_ignore", ())]
+    ignored = list(getattr(ddp, "parameters_to_ignore", ()))
     hooks = list(getattr(ddp, "_comm_hooks", ()))
 
     def build() -> None:
