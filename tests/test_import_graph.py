@@ -81,6 +81,7 @@ LAYERS = {
     "memlab.extension": 7,
     "memlab.pytest_plugin": 7,
     "memlab.examples": 7,
+    "memlab.integrations": 7,
 }
 
 
