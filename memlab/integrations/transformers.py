@@ -12,11 +12,12 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._gpus import GpuLike, resolve_gpu
 from memlab._units import check_count, format_size
 from memlab.estimate.estimate import Estimate, _target, run_estimate
-from memlab.estimate.result import EstimateError
+from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
 
 __all__ = ["MemlabCallback", "TrainerBatchFit", "estimate", "max_batch_size"]
@@ -72,7 +73,7 @@ def _prepare(trainer: Any, steps: int, batch_size: int | None = None) -> tuple[A
     accelerator = copy.copy(trainer.accelerator)
     accelerator._dataloaders = []
     view.accelerator = accelerator
-    with untouched(trainer):
+    with untouched(trainer), _disable_current_modes():  # an active tracker does not count the draw
         dataloader = view.get_train_dataloader()
         num_training_steps = _num_training_steps(view, dataloader)
         plan = plan_batches(view, dataloader, steps)
