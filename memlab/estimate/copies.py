@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import functools
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -192,7 +191,6 @@ class Copier:
                 if isinstance(value, torch.Tensor):
                     memo[id(value)] = self.tensor(value)
         new = self._deepcopy(optimizer, memo)
-        _rebind_scheduler_step(new)
         self.optimizers.append(new)
         return new
 
@@ -238,26 +236,6 @@ class Copier:
             rebinder.finish()
             return new
         return fn
-
-
-def _rebind_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
-    """An LR scheduler replaces its optimizer's ``step`` with a wrapper that calls the step of the
-    optimizer it holds by weak reference (``torch/optim/lr_scheduler.py``); a deep copy keeps that
-    wrapper, which would step the user's optimizer. The copy gets the same wrapper over itself."""
-    step = vars(optimizer).get("step")
-    if not getattr(step, "_wrapped_by_lr_sched", False):
-        return
-    func = type(optimizer).step
-    copied = weakref.ref(optimizer)
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        owner = copied()
-        owner._opt_called = True  # type: ignore[union-attr]
-        return func(owner, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 def _shallow_values(obj: Any) -> list[Any]:

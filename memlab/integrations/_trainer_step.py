@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import random
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +162,7 @@ class TrainerLoop:
             view.lr_scheduler = copy.deepcopy(
                 self.scheduler_source, {id(self.scheduler_source.optimizer): optimizer}
             )
+            _track_step_called(optimizer)
         else:
             view.lr_scheduler = None
             view.create_scheduler(self.num_training_steps, optimizer=optimizer)
@@ -206,6 +209,23 @@ def optimizer_step(
         view.lr_scheduler.step()
     model.zero_grad()
     loop.index += 1
+
+
+def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap the copied optimizer's ``step`` as an LR scheduler wraps its optimizer's when it is made
+    (``torch/optim/lr_scheduler.py``; a copy of an optimizer does not keep instance attributes), so
+    that the copied scheduler's first ``step`` finds the wrapper and does not warn."""
+    func = type(optimizer).step
+    owner = weakref.ref(optimizer)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer = owner()
+        optimizer._opt_called = True  # type: ignore[union-attr]
+        return func(optimizer, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

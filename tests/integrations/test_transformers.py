@@ -1,0 +1,247 @@
+"""memlab.integrations.transformers against real ``trainer.train()`` runs tracked by TensorTracker:
+a tiny GPT-2 from a config, random tokens, gradient accumulation 2, bf16 autocast on CPU."""
+
+from __future__ import annotations
+
+import io
+import random
+import warnings
+
+import numpy
+import pytest
+import torch
+
+import memlab
+from memlab._units import format_size
+
+transformers = pytest.importorskip("transformers")
+from memlab.integrations import transformers as hf  # noqa: E402
+
+MiB = 1 << 20
+SAMPLES, TOKENS = 64, 32
+
+
+def make_trainer(tmp_path, batch_size=2, accumulation=2, max_steps=3, callbacks=None, **options):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 512, (SAMPLES, TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
+    data = [{"input_ids": ids, "labels": ids} for ids in tokens]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        bf16=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        **options,
+    )
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+def tracked_training(trainer, capacity=None):
+    """``trainer.train()`` under a TensorTracker that counts the model from the start."""
+    with memlab.TensorTracker(capacity=capacity) as tracker:
+        tracker.adopt(roots=[trainer.model])
+        trainer.train()
+    return tracker.memory_stats("cpu")
+
+
+def peaks(stats):
+    return [stats[f"{name}_bytes.all.peak"] for name in ("allocated", "active", "reserved")]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_estimate_equals_tracked_training(tmp_path, steps):
+    estimate = hf.estimate(make_trainer(tmp_path / "estimate"), steps=steps, device="cpu")
+    real = tracked_training(make_trainer(tmp_path / "real", max_steps=steps))
+    assert estimate.method == "fake" and estimate.forced_by is None
+    assert [estimate.peak_allocated, estimate.peak_active, estimate.peak_reserved] == peaks(real)
+
+
+def test_estimate_with_gradient_checkpointing_equals_tracked_training(tmp_path):
+    trainer = make_trainer(tmp_path / "estimate", max_steps=2, gradient_checkpointing=True)
+    estimate = hf.estimate(trainer, steps=2, device="cpu")
+    real = tracked_training(make_trainer(tmp_path / "real", max_steps=2, gradient_checkpointing=True))
+    assert not trainer.model.is_gradient_checkpointing  # enabled on the estimate's copy only
+    assert [estimate.peak_allocated, estimate.peak_active, estimate.peak_reserved] == peaks(real)
+
+
+def _user_state(trainer):
+    params = [(p.detach().clone(), p._version, p.grad) for p in trainer.model.parameters()]
+    optimizer = trainer.optimizer
+    state = (
+        []
+        if optimizer is None
+        else [(k, v.clone()) for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)]
+    )
+    accelerator = trainer.accelerator
+    return {
+        "params": params,
+        "optimizer_state": state,
+        "trainer_state": trainer.state.to_json_string() if hasattr(trainer.state, "to_json_string") else None,
+        "optimizer": optimizer,
+        "scheduler": trainer.lr_scheduler,
+        "lists": [len(accelerator._models), len(accelerator._optimizers), len(accelerator._dataloaders)],
+        "rng": (torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy()),
+    }
+
+
+def _assert_same(before, after):
+    for (value, version, grad), (value2, version2, grad2) in zip(
+        before["params"], after["params"], strict=True
+    ):
+        assert torch.equal(value, value2) and version == version2 and grad is grad2
+    for (key, value), (key2, value2) in zip(before["optimizer_state"], after["optimizer_state"], strict=True):
+        assert key == key2 and torch.equal(value, value2)
+    assert before["trainer_state"] == after["trainer_state"]
+    assert before["optimizer"] is after["optimizer"] and before["scheduler"] is after["scheduler"]
+    assert before["lists"] == after["lists"]
+    assert torch.equal(before["rng"][0], after["rng"][0])
+    assert before["rng"][1] == after["rng"][1] and (before["rng"][2] == after["rng"][2]).all()
+
+
+def test_estimate_leaves_an_untrained_trainer_as_it_was(tmp_path):
+    trainer = make_trainer(tmp_path)
+    before = _user_state(trainer)
+    hf.estimate(trainer, steps=2, device="cpu")
+    _assert_same(before, _user_state(trainer))
+    assert trainer.optimizer is None and trainer.lr_scheduler is None
+    assert not any(isinstance(p, torch._subclasses.FakeTensor) for p in trainer.model.parameters())
+
+
+def test_estimate_leaves_a_trained_trainer_as_it_was(tmp_path):
+    """After train(), the optimizer (accelerate's wrapper) has state and the parameters hold
+    gradients here: the copies' step updates the copies, never the user's tensors."""
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.train()
+    for param in trainer.model.parameters():
+        param.grad = torch.ones_like(param)
+    before = _user_state(trainer)
+    estimate = hf.estimate(trainer, steps=1, device="cpu")
+    _assert_same(before, _user_state(trainer))
+    assert estimate.method == "fake"
+
+
+def _with_own_optimizer(tmp_path, max_steps=3):
+    trainer = make_trainer(tmp_path, max_steps=max_steps)
+    optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3, foreach=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / 10)
+    trainer.optimizer, trainer.lr_scheduler = optimizer, scheduler  # Trainer(optimizers=(...)) does this
+    return trainer
+
+
+def test_estimate_with_the_users_optimizer_and_scheduler_equals_tracked_training(tmp_path):
+    """The user's scheduler is copied onto the copied optimizer (which makes its own state, without
+    the scheduler's warning about the order of steps); the user's optimizer stays without state."""
+    trainer = _with_own_optimizer(tmp_path / "estimate")
+    before = _user_state(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        estimate = hf.estimate(trainer, steps=2, device="cpu")
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)]
+    _assert_same(before, _user_state(trainer))
+    assert trainer.optimizer.state == {} and trainer.lr_scheduler.last_epoch == 0
+    real = tracked_training(_with_own_optimizer(tmp_path / "real", max_steps=2))
+    assert [estimate.peak_allocated, estimate.peak_active, estimate.peak_reserved] == peaks(real)
+    assert estimate.by_category("end")["optimizer_state"] == 2 * sum(
+        -(-p.numel() * 4 // 512) * 512 for p in trainer.model.parameters()
+    ) + 512 * len(list(trainer.model.parameters()))
+
+
+def test_max_batch_size_trains_and_the_next_size_runs_out(tmp_path):
+    budget = 72 * MiB
+    fit = hf.max_batch_size(make_trainer(tmp_path / "fit"), budget, steps=3, device="cpu")
+    size = fit.batch_size
+    stats = tracked_training(make_trainer(tmp_path / "fits", batch_size=size), capacity=budget)
+    assert stats["reserved_bytes.all.peak"] <= budget and stats["num_ooms"] == 0
+    with pytest.raises(torch.OutOfMemoryError):
+        tracked_training(make_trainer(tmp_path / "next", batch_size=size + 1), capacity=budget)
+    # the effective batch (2 x 2 = 4) is kept with the largest divisor of it that fits
+    assert (fit.per_device_train_batch_size, fit.gradient_accumulation_steps) == (4, 1)
+    assert fit.changes == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}
+    assert fit.remedy == "per_device_train_batch_size=4, gradient_accumulation_steps=1"
+
+
+def test_keep_effective_batch():
+    assert hf.keep_effective_batch(8, 16, 1) == (8, 2)
+    assert hf.keep_effective_batch(5, 6, 3) == (3, 6)
+    assert hf.keep_effective_batch(100, 4, 2) == (8, 1)
+    assert hf.keep_effective_batch(1, 7, 1) == (1, 7)
+
+
+class PerStepTruth(transformers.TrainerCallback):
+    """Ground truth: each step's peaks read from the test's own tracker."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+        self.rows = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.tracker.reset_peak_memory_stats("cpu")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rows.append(
+            (
+                state.global_step,
+                self.tracker.max_memory_allocated("cpu"),
+                self.tracker.max_memory_reserved("cpu"),
+            )
+        )
+
+
+def test_callback_logs_the_tracked_peaks_of_each_step(tmp_path):
+    callback = hf.MemlabCallback()
+    trainer = make_trainer(tmp_path, logging_steps=1, callbacks=[callback])
+    with memlab.TensorTracker() as tracker:
+        truth = PerStepTruth(tracker)
+        trainer.add_callback(truth)
+        tracker.adopt(roots=[trainer.model])
+        trainer.train()
+    assert callback.per_step == truth.rows and len(truth.rows) == 3
+    logged = [
+        (entry["step"], entry["memlab/peak_allocated"], entry["memlab/peak_reserved"])
+        for entry in trainer.state.log_history
+        if "memlab/peak_allocated" in entry
+    ]
+    assert logged == truth.rows
+    first = trainer.state.log_history[0]
+    categories = [key for key in first if key.startswith("memlab/") and not key.startswith("memlab/peak")]
+    assert len(categories) == 3 and "memlab/workspace" in categories
+    assert trainer.callback_handler.callbacks[0] is callback  # before the reporting callbacks
+
+
+def test_callback_warns_at_train_begin_and_explains_the_oom(tmp_path):
+    budget = 72 * MiB
+    stream = io.StringIO()
+    callback = hf.MemlabCallback(stream=stream)
+    trainer = make_trainer(tmp_path, batch_size=16, accumulation=1, callbacks=[callback])
+    remedy = "set TrainingArguments(per_device_train_batch_size=8, gradient_accumulation_steps=2) to keep "
+    remedy += "the effective batch of 16"
+    with pytest.warns(ResourceWarning) as warned, pytest.raises(torch.OutOfMemoryError):
+        tracked_training(trainer, capacity=budget)
+    needs = format_size(callback.estimate.peak_reserved)
+    assert str(warned[0].message) == (
+        f"memlab: an optimizer step of this Trainer needs {needs} (estimated peak reserved) and the "
+        f"budget is 72.00M: {remedy}"
+    )
+    report = stream.getvalue()
+    assert "out of memory" in report.lower()
+    assert report.endswith(f"memlab: {remedy}\n")
+    assert "training_step" not in vars(trainer) and "step" not in vars(trainer.optimizer)
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(TypeError, match="trainer must be a transformers.Trainer, got str 'x'"):
+        hf.estimate("x")
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(ValueError, match="steps"):
+        hf.estimate(trainer, steps=0)
+    trainer.train_dataset = None
+    with pytest.raises(ValueError, match="trainer has no train_dataset"):
+        hf.max_batch_size(trainer, "1 GiB")
+    with pytest.raises(ValueError, match="log_categories"):
+        hf.MemlabCallback(log_categories=-1)
