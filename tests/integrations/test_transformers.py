@@ -235,7 +235,7 @@ def test_callback_warns_at_train_begin_and_explains_the_oom(tmp_path):
 
 
 def test_bad_inputs(tmp_path):
-    with pytest.raises(TypeError, match="trainer must be a transformers.Trainer, got str 'x'"):
+    with pytest.raises(TypeError, match=r"trainer must be a transformers\.Trainer, got str 'x'"):
         hf.estimate("x")
     trainer = make_trainer(tmp_path)
     with pytest.raises(ValueError, match="steps"):
