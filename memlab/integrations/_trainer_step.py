@@ -34,15 +34,15 @@ __all__ = ["TrainerLoop", "optimizer_step", "plan_batches", "untouched"]
 
 @dataclass(frozen=True)
 class _Spec:
-    """A tensor of a batch, by its shape and dtype: what an estimate allocates in its place."""
+    """A tensor of a batch: an estimate allocates one of its shape and dtype in its place, holding
+    its values where the estimate runs for real (``method="cpu"``: token ids must be valid)."""
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    value: torch.Tensor
 
 
 def _spec(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
-        return _Spec(tuple(batch.shape), batch.dtype)
+        return _Spec(batch.detach().cpu())
     if isinstance(batch, dict):
         return type(batch)({key: _spec(value) for key, value in batch.items()})
     if isinstance(batch, (list, tuple)):
@@ -51,10 +51,11 @@ def _spec(batch: Any) -> Any:
 
 
 def _allocate(spec: Any, device: torch.device) -> Any:
-    """A batch of new tensors of ``spec``'s shapes (data-free under the estimate's fake mode), made
-    in the order the collator made the real batch's (a dict's insertion order)."""
+    """A batch of new tensors of ``spec``'s shapes and values (data-free under the estimate's fake
+    mode), made in the order the collator made the real batch's (a dict's insertion order)."""
     if isinstance(spec, _Spec):
-        return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        value = spec.value
+        return torch.empty(value.shape, dtype=value.dtype, device=device).copy_(value)
     if isinstance(spec, dict):
         return type(spec)({key: _allocate(value, device) for key, value in spec.items()})
     if isinstance(spec, (list, tuple)):
