@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from memlab.integrations import transformers as hf  # noqa: E402
 
 MiB = 1 << 20
+DEFAULTS = {"bf16": True, "use_cpu": True, "report_to": [], "save_strategy": "no", "disable_tqdm": True}
 SAMPLES, TOKENS = 64, 32
 
 
@@ -47,12 +48,7 @@ def make_trainer(tmp_path, batch_size=2, accumulation=2, max_steps=3, callbacks=
         max_steps=max_steps,
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=accumulation,
-        bf16=True,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        **options,
+        **{**DEFAULTS, **options},
     )
     return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
@@ -69,10 +65,19 @@ def peaks(stats):
     return [stats[f"{name}_bytes.all.peak"] for name in ("allocated", "active", "reserved")]
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_estimate_equals_tracked_training(tmp_path, steps):
-    estimate = hf.estimate(make_trainer(tmp_path / "estimate"), steps=steps, device="cpu")
-    real = tracked_training(make_trainer(tmp_path / "real", max_steps=steps))
+@pytest.mark.parametrize(
+    ("steps", "options"),
+    [
+        (1, {}),
+        (3, {}),
+        (2, {"fp16": True, "bf16": False}),  # accelerate's GradScaler on CPU
+        (2, {"optim": "adamw_torch", "max_grad_norm": 0.0}),  # foreach AdamW, no clipping
+    ],
+    ids=["bf16-1-step", "bf16-3-steps", "fp16", "adamw-torch-no-clipping"],
+)
+def test_estimate_equals_tracked_training(tmp_path, steps, options):
+    estimate = hf.estimate(make_trainer(tmp_path / "estimate", **options), steps=steps, device="cpu")
+    real = tracked_training(make_trainer(tmp_path / "real", max_steps=steps, **options))
     assert estimate.method == "fake" and estimate.forced_by is None
     assert [estimate.peak_allocated, estimate.peak_active, estimate.peak_reserved] == peaks(real)
 
