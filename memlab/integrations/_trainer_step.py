@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memlab.estimate.result import EstimateError
 
@@ -55,7 +56,8 @@ def _allocate(spec: Any, device: torch.device) -> Any:
     mode), made in the order the collator made the real batch's (a dict's insertion order)."""
     if isinstance(spec, _Spec):
         value = spec.value
-        return torch.empty(value.shape, dtype=value.dtype, device=device).copy_(value)
+        new = torch.empty(value.shape, dtype=value.dtype, device=device)
+        return new if isinstance(new, FakeTensor) else new.copy_(value)
     if isinstance(spec, dict):
         return type(spec)({key: _allocate(value, device) for key, value in spec.items()})
     if isinstance(spec, (list, tuple)):

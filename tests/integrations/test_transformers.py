@@ -78,7 +78,7 @@ def peaks(stats):
 def test_estimate_equals_tracked_training(tmp_path, steps, options):
     estimate = hf.estimate(make_trainer(tmp_path / "estimate", **options), steps=steps, device="cpu")
     real = tracked_training(make_trainer(tmp_path / "real", max_steps=steps, **options))
-    assert estimate.method == "fake" and estimate.forced_by is None
+    assert estimate.method == "fake" and estimate.forced_by is None and estimate.caveats == []
     assert [estimate.peak_allocated, estimate.peak_active, estimate.peak_reserved] == peaks(real)
 
 
