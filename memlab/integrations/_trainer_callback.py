@@ -5,6 +5,7 @@ memlab's post-mortem and the ``TrainingArguments`` that fit."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import warnings
@@ -12,6 +13,7 @@ from typing import Any, TextIO
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
 from memlab._gpus import GpuLike
 from memlab._units import check_count, format_size, parse_size
@@ -22,16 +24,34 @@ logger = logging.getLogger("memlab")
 PREFIX = "memlab/"
 
 
-def find_trainer() -> Trainer | None:
-    """The ``Trainer`` whose ``train()`` is running in this thread (the ``self`` of the nearest
-    caller frame that is a ``Trainer``'s method), or ``None``: callbacks are not given it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer):
-            return owner
-        frame = frame.f_back
+def find_trainer(callback: TrainerCallback) -> Trainer | None:
+    """The ``Trainer`` whose callbacks include ``callback`` (callbacks are not given their trainer),
+    or ``None``: the referrers of ``callback`` (its handler's list), of that list (the
+    ``CallbackHandler``), of the handler (the trainer). Not through the callers' frames: reading a
+    running frame's ``f_locals`` (Python 3.11) keeps its local variables alive in a snapshot."""
+    for handler in _referrers(callback, list, CallbackHandler):
+        for trainer in _referrers(handler, Trainer):
+            return trainer
     return None
+
+
+def _referrers(obj: Any, *path: type) -> list[Any]:
+    """The objects of type ``path[-1]`` that hold ``obj`` through objects of the types before it
+    (an attribute may be held through the owner's ``__dict__``)."""
+    found = [obj]
+    for kind in path:
+        holders = []
+        for held in found:
+            for referrer in gc.get_referrers(held):
+                if type(referrer) is dict and kind is not dict:
+                    owners = [
+                        o for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer
+                    ]
+                    holders += [owner for owner in owners if isinstance(owner, kind)]
+                elif isinstance(referrer, kind):
+                    holders.append(referrer)
+        found = holders
+    return found
 
 
 class MemlabCallback(TrainerCallback):
@@ -87,11 +107,11 @@ class MemlabCallback(TrainerCallback):
             callbacks.insert(0, self)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._first(find_trainer())
+        self._first(find_trainer(self))
 
     # -- train begin: estimate, then measure -----------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        trainer = find_trainer()
+        trainer = find_trainer(self)
         self._first(trainer)
         self._device = next(model.parameters()).device if model is not None else args.device
         self.per_step, self._unlogged = [], []
@@ -104,12 +124,12 @@ class MemlabCallback(TrainerCallback):
 
         self._tracker = TensorTracker(history=self.log_categories > 0, gpu=self.gpu)
         self._tracker.__enter__()
-        loop = _loop_frame()
+        loss_sum = _loop_loss_sum()
         # What the loop holds at this moment, in the order it made it: the model, its optimizer
         # (state made in the first step), the loss sum.
         self._tracker.adopt(roots=[model])
         self._tracker.adopt(roots=[trainer.optimizer] if trainer is not None else [])
-        self._tracker.adopt(roots=[loop.get("tr_loss")] if loop is not None else [])
+        self._tracker.adopt(roots=[loss_sum])
         if model is not None:
             self._tracker.add_model(model)
         if trainer is not None and trainer.optimizer is not None:
@@ -225,12 +245,18 @@ class MemlabCallback(TrainerCallback):
         return self._device if self._device is not None else torch.device("cpu")
 
 
-def _loop_frame() -> dict[str, Any] | None:
-    """The local variables of the running ``_inner_training_loop`` (its ``tr_loss``), or ``None``."""
+def _loop_loss_sum() -> torch.Tensor | None:
+    """The running ``_inner_training_loop``'s ``tr_loss`` (the loss sum it keeps all along), or
+    ``None``. Python 3.11 keeps a frame's ``f_locals`` snapshot, with references to the values it
+    read, as long as the frame runs: the snapshot is emptied at once, or it would keep the first
+    ``tr_loss`` alive for the whole training (it does not write back to the frame's variables)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_inner_training_loop":
-            return dict(frame.f_locals)
+            snapshot = frame.f_locals
+            found = snapshot.get("tr_loss")
+            snapshot.clear()
+            return found if isinstance(found, torch.Tensor) else None
         frame = frame.f_back
     return None
 

@@ -223,7 +223,7 @@ class PerStepTruth(transformers.TrainerCallback):
 
 
 def test_callback_logs_the_tracked_peaks_of_each_step(tmp_path):
-    callback = hf.MemlabCallback()
+    callback = hf.MemlabCallback(budget="1 GiB")  # estimates at train begin: it fits, no warning
     trainer = make_trainer(tmp_path, logging_steps=1, callbacks=[callback])
     with memlab.TensorTracker() as tracker:
         truth = PerStepTruth(tracker)
@@ -231,6 +231,9 @@ def test_callback_logs_the_tracked_peaks_of_each_step(tmp_path):
         tracker.adopt(roots=[trainer.model])
         trainer.train()
     assert callback.per_step == truth.rows and len(truth.rows) == 3
+    assert callback.warning is None
+    assert callback.estimate.peak_allocated == max(allocated for _, allocated, _ in truth.rows[:2])
+    assert callback.estimate.peak_reserved == max(reserved for _, _, reserved in truth.rows[:2])
     logged = [
         (entry["step"], entry["memlab/peak_allocated"], entry["memlab/peak_reserved"])
         for entry in trainer.state.log_history
@@ -253,7 +256,8 @@ def test_callback_warns_at_train_begin_and_explains_the_oom(tmp_path):
     with pytest.warns(ResourceWarning) as warned, pytest.raises(torch.OutOfMemoryError):
         tracked_training(trainer, capacity=budget)
     needs = format_size(callback.estimate.peak_reserved)
-    assert str(warned[0].message) == (
+    (warning,) = [w for w in warned if w.category is ResourceWarning]
+    assert str(warning.message) == (
         f"memlab: an optimizer step of this Trainer needs {needs} (estimated peak reserved) and the "
         f"budget is 72.00M: {remedy}"
     )
