@@ -232,7 +232,7 @@ def _track_step_called(optimizer: torch.optim.Optimizer) -> None:
 
 
 @contextlib.contextmanager
-def untouched(trainer: Any) -> Iterator[None]:
+def untouched() -> Iterator[None]:
     """Restore on exit what drawing batches and running copies changes in the user's process: the
     random number generators (torch's CPU and CUDA ones, Python's, NumPy's) and accelerate's shared
     ``GradientState`` (a dataloader registers itself there while it is iterated)."""

@@ -2,7 +2,8 @@
 :func:`max_batch_size` of its configuration, and :class:`MemlabCallback`, which measures every step
 of ``trainer.train()`` and explains an out-of-memory error in ``TrainingArguments`` terms.
 
-Imports ``transformers`` and ``accelerate`` only when one of these is used (``import memlab`` never does).
+Importing this module imports ``transformers`` (``accelerate`` when an estimate runs); ``import memlab``
+never imports it.
 """
 
 from __future__ import annotations
@@ -44,11 +45,8 @@ def _optimizer_and_scheduler(trainer: Any, num_training_steps: int) -> tuple[tor
         view.optimizer = view.lr_scheduler = None
         view.create_optimizer()
         optimizer, scheduler = view.optimizer, None
-    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer"):
-        inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer after train()
-        if inner is None:
-            break
-        optimizer = inner
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer (after train()) wraps it
     if trainer._created_lr_scheduler:
         scheduler = None  # train() makes its scheduler anew
     return optimizer, scheduler
@@ -65,15 +63,14 @@ def _prepare(trainer: Any, steps: int, batch_size: int | None = None) -> tuple[A
     ``batch_size`` on a copy of its arguments when given) and restoring the RNG it uses."""
     view = copy.copy(trainer)
     if batch_size is not None:
-        view.args = copy.copy(
-            trainer.args
-        )  # not dataclasses.replace: __post_init__ resets accelerate's state
+        # A copy, not dataclasses.replace: TrainingArguments.__post_init__ resets accelerate's state.
+        view.args = copy.copy(trainer.args)
         view.args.per_device_train_batch_size = batch_size
         view._train_batch_size = batch_size
     accelerator = copy.copy(trainer.accelerator)
     accelerator._dataloaders = []
     view.accelerator = accelerator
-    with untouched(trainer), _disable_current_modes():  # an active tracker does not count the draw
+    with untouched(), _disable_current_modes():  # an active tracker does not count the draw
         dataloader = view.get_train_dataloader()
         num_training_steps = _num_training_steps(view, dataloader)
         plan = plan_batches(view, dataloader, steps)
@@ -99,7 +96,7 @@ def _run(
     def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (view, model, optimizer, TrainerLoop(plan, scheduler, num_training_steps)), {}
 
-    with untouched(trainer):
+    with untouched():
         result = run_estimate(optimizer_step, arguments, target, steps=steps, capacity=capacity, gpu=modelled)
     result.name = f"{type(trainer).__name__} optimizer step"
     return result
