@@ -77,7 +77,10 @@ class MemlabCallback(TrainerCallback):
     (``warnings`` and the ``memlab`` logger) with the ``TrainingArguments`` that fit
     (:func:`~memlab.integrations.transformers.max_batch_size`). While training, an out-of-memory error
     raised in a ``training_step`` or an optimizer step is explained as :func:`memlab.explain_oom`
-    explains it (on ``stream``, default stderr), followed by the ``TrainingArguments`` that fit.
+    explains it (on ``stream``, default stderr), followed by the ``TrainingArguments`` that fit; an
+    error there also stops the callback's tracker (``on_train_end`` is not called then). An error
+    raised elsewhere in ``train()`` (the dataloader, a callback) leaves it entered: call
+    ``on_train_end`` or start training again.
     """
 
     def __init__(
@@ -94,7 +97,9 @@ class MemlabCallback(TrainerCallback):
         self.per_step: list[tuple[int, int, int]] = []
         self.estimate: Any = None  # the estimate made at train begin
         self.warning: str | None = None
-        self._tracker: Any = None
+        self._tracker: Any = None  # while training
+        #: The ``TensorTracker`` of the last training on CPU, readable after it (``None`` on a GPU).
+        self.tracker: Any = None
         self._device: torch.device | None = None
         self._unlogged: list[tuple[int, int]] = []
         self._patched: list[tuple[Any, str]] = []
@@ -111,6 +116,7 @@ class MemlabCallback(TrainerCallback):
 
     # -- train begin: estimate, then measure -----------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._stop()  # a tracker left entered by a training that failed outside its steps
         trainer = find_trainer(self)
         self._first(trainer)
         self._device = next(model.parameters()).device if model is not None else args.device
@@ -180,10 +186,10 @@ class MemlabCallback(TrainerCallback):
             try:
                 with OOMWatch(stream=self.stream):
                     return method(*args, **kwargs)
-            except torch.OutOfMemoryError:
+            except BaseException as error:  # train() ends here: on_train_end will not be called
                 self._unwatch()
                 self._stop()
-                budget = self._budget()
+                budget = self._budget() if isinstance(error, torch.OutOfMemoryError) else None
                 if budget is not None:
                     _say(self.stream, f"memlab: {_remedy(trainer, budget, self)}\n")
                 raise

@@ -13,6 +13,7 @@ import torch
 
 import memlab
 from memlab._units import format_size
+from memlab.sources.tracker import active_tracker
 
 transformers = pytest.importorskip("transformers")
 from memlab.integrations import transformers as hf  # noqa: E402
@@ -265,6 +266,7 @@ def test_callback_warns_at_train_begin_and_explains_the_oom(tmp_path):
     assert "out of memory" in report.lower()
     assert report.endswith(f"memlab: {remedy}\n")
     assert "training_step" not in vars(trainer) and "step" not in vars(trainer.optimizer)
+    assert active_tracker() is None  # the callback's own tracker stopped with the error
 
 
 def test_bad_inputs(tmp_path):
