@@ -99,6 +99,13 @@ def _run(
     with untouched():
         result = run_estimate(optimizer_step, arguments, target, steps=steps, capacity=capacity, gpu=modelled)
     result.name = f"{type(trainer).__name__} optimizer step"
+    args = trainer.args
+    if target.type == "cuda" and args.device.type != "cuda" and (args.bf16 or args.fp16):
+        where = args.device.type
+        result.caveats.append(
+            f"the trainer was built on {where}: its bf16/fp16 steps ran under {where}'s autocast, which "
+            "casts other ops than CUDA's autocast does on a GPU"
+        )
     return result
 
 
