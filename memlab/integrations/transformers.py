@@ -134,7 +134,11 @@ def estimate(
     temporaries), evaluation and checkpoint saving, and what :class:`memlab.Estimate` lists.
 
     ``device``/``gpu``: as for :func:`memlab.estimate` (default: the model's device type; naming a
-    ``gpu`` makes it ``"cuda"``). One process only (an ``EstimateError`` for a distributed run).
+    ``gpu`` makes it ``"cuda"``). A trainer built on CPU autocasts as CPU does: estimated for a GPU,
+    its bf16/fp16 steps keep CPU's autocast (a caveat says so). One process only (an
+    ``EstimateError`` for a distributed run). Where the step reads a tensor's value (HF's attention
+    mask checks) the estimate runs for real on CPU copies (``method="cpu"``, ``forced_by``), its
+    batches holding the real batches' values.
     """
     _check_trainer(trainer)
     steps = check_count(steps, "steps", 1)
