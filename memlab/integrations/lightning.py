@@ -26,7 +26,14 @@ from memlab._devices import parse_device
 from memlab._gpus import GpuLike
 from memlab._units import check_count, format_size, parse_size
 from memlab.estimate.estimate import Estimate, run_estimate
-from memlab.estimate.fit import BatchFit, default_budget, fitting_estimate, modelled_gpu, search
+from memlab.estimate.fit import (
+    BatchFit,
+    _check_growth,
+    default_budget,
+    fitting_estimate,
+    modelled_gpu,
+    search,
+)
 from memlab.integrations._lightning_callback import MemlabCallback
 
 __all__ = ["MemlabCallback", "estimate", "max_batch_size"]
@@ -131,6 +138,8 @@ def max_batch_size(
         if size not in found:
             run, _ = _prepared(trainer, *sized(size), None, steps, device, gpu)
             found[size] = fitting_estimate(run, limit - extra)
+            if high is None:
+                _check_growth(found, size)  # a dataset smaller than the batch: every size the same
         return found[size] is not None
 
     good, bad = search(fits, low, high)
