@@ -88,7 +88,9 @@ def main() -> None:
     start = time.perf_counter()
     with memlab.TensorTracker(capacity=budget) as tracker:
         tracker.adopt(roots=[module])
-        lightning_size = Tuner(trainer()).scale_batch_size(module, mode="binsearch", steps_per_trial=3, init_val=8)
+        lightning_size = Tuner(trainer()).scale_batch_size(
+            module, mode="binsearch", steps_per_trial=3, init_val=8
+        )
     lightning_time = time.perf_counter() - start
     memlab.TensorTracker._out_of_memory = original
 
@@ -100,8 +102,8 @@ def main() -> None:
         ("Lightning BatchSizeFinder (binsearch)", lightning_size, lightning_time, ooms),
     ]
     for name, size, seconds, errors in rows:
-        print(f"{name:<34}{size:>11}{seconds:>9.1f}{errors:>6}{str(trains(size, budget)):>16}"
-              f"{str(trains(size + 1, budget)):>12}")  # fmt: skip
+        print(f"{name:<34}{size:>11}{seconds:>9.1f}{errors:>6}{trains(size, budget)!s:>16}"
+              f"{trains(size + 1, budget)!s:>12}")  # fmt: skip
     print(f"memlab ran {found.estimates} estimates")
 
 

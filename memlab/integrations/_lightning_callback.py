@@ -71,7 +71,9 @@ class MemlabCallback(Callback):
             trainer, pl_module, trainer.datamodule, train_dataloaders=loaders, device=device, gpu=self.gpu
         )
         if budget is not None and not self.estimate.fits(budget):
-            warnings.warn(_does_not_fit(self.estimate.peak_reserved, budget, trainer, pl_module), stacklevel=2)
+            warnings.warn(
+                _does_not_fit(self.estimate.peak_reserved, budget, trainer, pl_module), stacklevel=2
+            )
 
     def _target(self, trainer: Any) -> str:
         if self.device is not None:
@@ -91,10 +93,15 @@ class MemlabCallback(Callback):
         self._tracker.adopt(roots=[pl_module])
         self._tracker.adopt(roots=trainer.optimizers)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._on_cuda(trainer):
             index = trainer.strategy.root_device
-            allocated, reserved = torch.cuda.max_memory_allocated(index), torch.cuda.max_memory_reserved(index)
+            allocated, reserved = (
+                torch.cuda.max_memory_allocated(index),
+                torch.cuda.max_memory_reserved(index),
+            )
             torch.cuda.reset_peak_memory_stats(index)
         elif self._tracker is not None:
             tracker = self._tracker
@@ -144,8 +151,9 @@ def _does_not_fit(needed: int, budget: int, trainer: Any, module: Any) -> str:
         smaller = max(1, math.floor(size * budget / needed))
         factor = math.ceil(size / smaller)
         text += (
-            f"Lower batch_size={size} (memlab.integrations.lightning.max_batch_size(trainer, module, budget=...) "
-            f"finds the largest that fits, about {smaller} by proportion) and raise accumulate_grad_batches from "
+            f"Lower batch_size={size} (memlab.integrations.lightning.max_batch_size(trainer, module, "
+            f"budget=...) finds the largest that fits, about {smaller} by proportion) and raise "
+            f"accumulate_grad_batches from "
             f"{accumulate} to {accumulate * factor} to keep the effective batch"
         )
     else:

@@ -27,8 +27,8 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_map_only
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["Schedule", "StandInTrainer", "fit_steps", "schedule"]
 
@@ -99,7 +99,9 @@ class _StandInStrategy:
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         module = model if model is not None else self.lightning_module
         return self.precision_plugin.optimizer_step(optimizer, model=module, closure=closure, **kwargs)
 
@@ -162,7 +164,8 @@ class StandInTrainer:
             return getattr(self._user_trainer, name)
         raise AttributeError(
             f"the module's copy in a memlab estimate runs with a stand-in trainer, which has no {name!r}: it "
-            f"offers strategy, optimizers, lr_scheduler_configs, global_step, current_epoch, self.log and the "
+            f"offers strategy, optimizers, lr_scheduler_configs, global_step, current_epoch, self.log and "
+            f"the "
             f"trainer's settings {', '.join(CONFIGURATION)}"
         )
 
@@ -240,10 +243,13 @@ def _fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plug
     optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
     stand_in.optimizers, stand_in.lr_scheduler_configs = optimizers, schedulers
     strategy = stand_in.strategy
-    strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, strategy) for o in optimizers]
+    strategy._lightning_optimizers = [
+        LightningOptimizer._to_lightning_optimizer(o, strategy) for o in optimizers
+    ]
     if module.automatic_optimization and len(optimizers) != 1:
         raise ValueError(
-            f"automatic optimization steps exactly one optimizer, configure_optimizers gave {len(optimizers)}: "
+            f"automatic optimization steps exactly one optimizer, configure_optimizers gave "
+            f"{len(optimizers)}: "
             f"set automatic_optimization = False to step several"
         )
     connector, results = stand_in._logger_connector, stand_in._results
@@ -291,7 +297,9 @@ def _transfer(trainer: StandInTrainer, batches: Batches, batch: Any) -> Any:
     return call._call_lightning_module_hook(trainer, "on_after_batch_transfer", batch, 0)
 
 
-def _automatic(trainer: StandInTrainer, batch: Any, index: int, zero_grad: bool, step: bool) -> dict[str, Any]:
+def _automatic(
+    trainer: StandInTrainer, batch: Any, index: int, zero_grad: bool, step: bool
+) -> dict[str, Any]:
     """``_AutomaticOptimization.run``: Lightning's own closure (training step, the loss divided by
     ``accumulate_grad_batches`` and its detached clone, zero_grad, backward), inside the module's
     ``optimizer_step`` hook when the batch steps."""
@@ -315,7 +323,9 @@ def _automatic(trainer: StandInTrainer, batch: Any, index: int, zero_grad: bool,
 
     closure = Closure(step_fn, backward_fn, zero_grad_fn if zero_grad else None)
     if step:
-        call._call_lightning_module_hook(trainer, "optimizer_step", trainer.current_epoch, index, optimizer, closure)
+        call._call_lightning_module_hook(
+            trainer, "optimizer_step", trainer.current_epoch, index, optimizer, closure
+        )
     else:
         closure()
     result = closure.consume_result()

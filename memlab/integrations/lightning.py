@@ -125,7 +125,9 @@ def max_batch_size(
     target = _device(device)
     limit = default_budget(target, modelled_gpu(gpu)) if budget is None else parse_size(budget, name="budget")
     if extra >= limit:
-        raise ValueError(f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})")
+        raise ValueError(
+            f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
+        )
     found: dict[int, Estimate | None] = {}
 
     def sized(size: int) -> tuple[Any, Any]:
@@ -178,7 +180,8 @@ def _prepared(
     accumulate = trainer.accumulate_grad_batches
     if manual and accumulate != 1:
         raise ValueError(
-            f"accumulate_grad_batches={accumulate} with manual optimization: Lightning does not accumulate for "
+            f"accumulate_grad_batches={accumulate} with manual optimization: Lightning does not accumulate "
+            f"for "
             f"a module with automatic_optimization = False; use accumulate_grad_batches=1"
         )
     with _rng_kept():
@@ -232,7 +235,9 @@ def _train_loader(module: Any, datamodule: Any, train_dataloaders: Any) -> Any:
         return train_dataloaders
     owner = datamodule if datamodule is not None else module
     if datamodule is not None and not _is_datamodule(datamodule):
-        raise TypeError(f"datamodule must be a lightning.pytorch.LightningDataModule, got {type(datamodule).__name__}")
+        raise TypeError(
+            f"datamodule must be a lightning.pytorch.LightningDataModule, got {type(datamodule).__name__}"
+        )
     try:
         return owner.train_dataloader()
     except NotImplementedError:
@@ -316,7 +321,8 @@ def _batch_size_owner(module: Any, datamodule: Any, name: str) -> tuple[Any, str
     if hparams is not None and name in hparams:
         return module, "hparams"
     raise ValueError(
-        f"Field {name!r} not found in the module, the datamodule, nor the module's hparams: the batch size is "
+        f"Field {name!r} not found in the module, the datamodule, nor the module's hparams: the batch "
+        f"size is "
         f"searched by setting it there (batch_arg_name names the attribute)"
     )
 

@@ -34,14 +34,22 @@ class MLP(pl.LightningModule):
     """Two layers; optionally ``self.log`` in the step, optionally manual optimization."""
 
     def __init__(
-        self, batch_size: int = 8, width: int = 64, log: bool = False, manual: bool = False, samples: int = 512
+        self,
+        batch_size: int = 8,
+        width: int = 64,
+        log: bool = False,
+        manual: bool = False,
+        samples: int = 512,
     ) -> None:
         super().__init__()
         self.batch_size, self.width, self.logs = batch_size, width, log
         self.automatic_optimization = not manual
         self.net = torch.nn.Sequential(torch.nn.Linear(width, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
         generator = torch.Generator().manual_seed(0)
-        self.data = (torch.randn(samples, width, generator=generator), torch.randint(0, 10, (samples,), generator=generator))
+        self.data = (
+            torch.randn(samples, width, generator=generator),
+            torch.randint(0, 10, (samples,), generator=generator),
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -71,7 +79,9 @@ def make_trainer(accumulate: int = 2, precision: str = "bf16-mixed", **options) 
     )  # fmt: skip
 
 
-def tracked_fit(module: pl.LightningModule, trainer: pl.Trainer, capacity: int | None = None) -> dict[str, int]:
+def tracked_fit(
+    module: pl.LightningModule, trainer: pl.Trainer, capacity: int | None = None
+) -> dict[str, int]:
     with memlab.TensorTracker(capacity=capacity) as tracker:
         tracker.adopt(roots=[module])
         trainer.fit(module)
@@ -142,9 +152,11 @@ def test_train_dataloaders_given_to_fit():
 
 def test_bad_arguments_are_named():
     module = MLP()
-    with pytest.raises(TypeError, match="trainer must be a lightning.pytorch.Trainer, got MLP"):
+    with pytest.raises(TypeError, match=r"trainer must be a lightning\.pytorch\.Trainer, got MLP"):
         ml.estimate(module, module)
-    with pytest.raises(ValueError, match="Field 'bs' not found in the module, the datamodule, nor the module's hparams"):
+    with pytest.raises(
+        ValueError, match="Field 'bs' not found in the module, the datamodule, nor the module's hparams"
+    ):
         ml.max_batch_size(make_trainer(), module, budget="1 GiB", batch_arg_name="bs")
 
 
@@ -188,9 +200,10 @@ def test_callback_logs_the_tracked_peaks_and_warns_when_the_steps_do_not_fit():
     trainer = make_trainer(callbacks=[callback])
     trainer.loggers = [Recorder()]
     message = (
-        "memlab: the training steps are estimated to need 66.00M reserved, more than the budget of 1.00M. Lower "
-        "batch_size=8 (memlab.integrations.lightning.max_batch_size(trainer, module, budget=...) finds the largest "
-        "that fits, about 1 by proportion) and raise accumulate_grad_batches from 2 to 16 to keep the effective batch."
+        "memlab: the training steps are estimated to need 66.00M reserved, more than the budget of "
+        "1.00M. Lower batch_size=8 (memlab.integrations.lightning.max_batch_size(trainer, module, "
+        "budget=...) finds the largest that fits, about 1 by proportion) and raise "
+        "accumulate_grad_batches from 2 to 16 to keep the effective batch."
     )
     with pytest.warns(UserWarning, match=re.escape(message)):
         trainer.fit(module)
@@ -201,5 +214,7 @@ def test_callback_logs_the_tracked_peaks_and_warns_when_the_steps_do_not_fit():
     assert max(p["peak_allocated"] for p in callback.peaks) == real["allocated_bytes.all.peak"]
     assert max(p["peak_reserved"] for p in callback.peaks) == real["reserved_bytes.all.peak"]
     assert callback.estimate.peak_reserved == real["reserved_bytes.all.peak"]
-    assert [metrics["memlab/peak_allocated"] for _, metrics in logged] == [p["peak_allocated"] for p in callback.peaks]
+    assert [metrics["memlab/peak_allocated"] for _, metrics in logged] == [
+        p["peak_allocated"] for p in callback.peaks
+    ]
     assert [step for step, _ in logged] == [0, 1, 1, 2, 2, 3]
