@@ -27,7 +27,6 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["Schedule", "StandInTrainer", "fit_steps", "schedule"]
@@ -206,19 +205,22 @@ class Batches:
 
 @contextlib.contextmanager
 def copyable_constants() -> Iterator[None]:
-    """While entered, ``copy.deepcopy`` of a fake tensor that carries its value (the constant
-    ``FakeTensorMode`` keeps for ``torch.tensor(0.0)``) works: the constant, a real CPU tensor, is
-    cloned outside the fake mode and the tracker (host memory, not the device's). torchmetrics
-    deep-copies each state's default when Lightning's ``self.log`` makes its first metric; inside a
-    fake mode that copy fails (``Attempted to set the storage of a tensor on device "meta"``)."""
+    """While entered, ``copy.deepcopy`` of a fake tensor is a clone made by the fake mode (counted by
+    the estimate's tracker, as the real copy is a new storage on the device). ``Tensor.__deepcopy__``
+    clones the storage by hand, which a fake tensor's storage (and the real CPU tensor it keeps as
+    its value, for ``torch.tensor(0.0)``) cannot do inside a fake mode (``Attempted to set the
+    storage of a tensor on device "meta"``); torchmetrics deep-copies each state's default when
+    Lightning's ``self.log`` makes its first metric."""
     saved = FakeTensor.__dict__.get("__deepcopy__")
 
     def deepcopy(self: FakeTensor, memo: dict[int, Any]) -> Any:
-        constant = self.__dict__.get("constant")
-        if constant is not None and id(constant) not in memo:
-            with _disable_current_modes():
-                memo[id(constant)] = constant.clone()
-        return torch.Tensor.__deepcopy__(self, memo)
+        found = memo.get(id(self))
+        if found is None:
+            with torch.no_grad():
+                found = self.clone()
+            found.requires_grad_(self.requires_grad)
+            memo[id(self)] = found
+        return found
 
     FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
     try:
