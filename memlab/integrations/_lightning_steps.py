@@ -241,7 +241,7 @@ def fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plugi
 def _fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plugin: Any) -> None:
     stand_in = StandInTrainer(trainer, module, plugin)
     module._trainer = stand_in
-    plugin.convert_module(module)  # bf16-true / 16-true: the parameters cast, as the trainer's setup does
+    _convert_module(plugin, module)
     optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
     stand_in.optimizers, stand_in.lr_scheduler_configs = optimizers, schedulers
     strategy = stand_in.strategy
@@ -281,6 +281,24 @@ def _fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plug
             connector.epoch_end_reached()
             connector.on_epoch_end()
             results.reset()
+
+
+def _convert_module(plugin: Any, module: Any) -> None:
+    """The precision plugin's ``convert_module``, as the trainer's setup runs it before training
+    (``"bf16-true"``/``"16-true"``: the floating-point parameters and buffers cast). ``HalfPrecision``
+    does it by ``module.to(dtype)``, which cannot swap fake parameters; here each one's ``.data`` is
+    replaced, which is what ``module.to`` does to plain tensors (the old storage freed at once)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    if not isinstance(plugin, HalfPrecision):
+        plugin.convert_module(module)
+        return
+    dtype = plugin._desired_input_dtype
+    with torch.no_grad():
+        for sub in module.modules():
+            for tensor in (*sub._parameters.values(), *sub._buffers.values()):
+                if tensor is not None and tensor.is_floating_point():
+                    tensor.data = tensor.data.to(dtype)
 
 
 def _fetch(batches: Batches, index: int) -> Any:

@@ -94,13 +94,19 @@ def peaks(estimate: memlab.Estimate) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    ("precision", "accumulate", "manual"),
-    [("bf16-mixed", 2, False), ("32-true", 1, False), ("bf16-mixed", 1, True)],
+    ("precision", "accumulate", "manual", "clip"),
+    [
+        ("bf16-mixed", 2, False, None),
+        ("32-true", 1, False, None),
+        ("bf16-mixed", 1, True, None),
+        ("16-mixed", 2, False, 1.0),
+        ("bf16-true", 2, False, 0.5),
+    ],
 )
-def test_estimate_equals_a_tracked_fit_and_leaves_the_user_objects_alone(precision, accumulate, manual):
+def test_estimate_equals_a_tracked_fit_and_leaves_the_user_objects_alone(precision, accumulate, manual, clip):
     torch.manual_seed(0)
     module = MLP(manual=manual)
-    trainer = make_trainer(accumulate, precision)
+    trainer = make_trainer(accumulate, precision, gradient_clip_val=clip)
     state = {key: value.clone() for key, value in module.state_dict().items()}
     rng = torch.random.get_rng_state()
 
