@@ -230,20 +230,25 @@ def _is_datamodule(obj: Any) -> bool:
 
 def _train_loader(module: Any, datamodule: Any, train_dataloaders: Any) -> Any:
     """The training dataloader ``Trainer.fit`` would use: the one given, else the datamodule's,
-    else the module's (an ``EstimateError``-style ``ValueError`` when there is none)."""
+    else the module's. An owner whose ``train_dataloader()`` needs its ``setup("fit")`` first (a
+    dataset made there) is set up as a shallow copy, so the user's object is not changed."""
     if train_dataloaders is not None:
         return train_dataloaders
-    owner = datamodule if datamodule is not None else module
     if datamodule is not None and not _is_datamodule(datamodule):
         raise TypeError(
             f"datamodule must be a lightning.pytorch.LightningDataModule, got {type(datamodule).__name__}"
         )
+    owner = datamodule if datamodule is not None else module
     try:
         return owner.train_dataloader()
     except NotImplementedError:
         raise ValueError(
             f"{type(owner).__name__} defines no train_dataloader(): pass train_dataloaders= or a datamodule"
         ) from None
+    except Exception:
+        ready = copy.copy(owner)
+        ready.setup("fit")
+        return ready.train_dataloader()
 
 
 def _length(loader: Any) -> int | None:

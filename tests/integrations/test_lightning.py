@@ -224,3 +224,88 @@ def test_callback_logs_the_tracked_peaks_and_warns_when_the_steps_do_not_fit():
         p["peak_allocated"] for p in callback.peaks
     ]
     assert [step for step, _ in logged] == [0, 1, 1, 2, 2, 3]
+
+
+class ItemMLP(MLP):
+    """A step that reads the loss's value (``.item()``), as logging code does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.last_loss = loss.item()
+        return loss
+
+
+def test_a_step_that_reads_values_is_still_exact():
+    torch.manual_seed(0)
+    module, trainer = ItemMLP(), make_trainer()
+
+    estimate = ml.estimate(trainer, module, steps=3, device="cpu")
+
+    # fake tensors have no values: until they carry them, the estimate runs the copies for real on CPU
+    assert estimate.method in ("fake", "cpu")
+    assert not hasattr(module, "last_loss")  # written on the copy only
+    assert peaks(estimate) == tracked_fit(module, trainer)
+
+
+class Data(pl.LightningDataModule):
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        generator = torch.Generator().manual_seed(1)
+        self.data = (torch.randn(4096, WIDE, generator=generator), torch.randint(0, 10, (4096,)))
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*self.data), batch_size=self.batch_size, shuffle=True)
+
+
+def test_datamodule_batch_size_is_searched_like_batch_size_finder():
+    """The datamodule's ``batch_size`` is the one scaled (BatchSizeFinder's order); its shuffling
+    sampler draws from the global RNG, which the search leaves where it was."""
+    budget = 100 * 2**20
+    module, data = MLP(width=WIDE, samples=8), Data(batch_size=4)
+    rng = torch.random.get_rng_state()
+
+    found = ml.max_batch_size(make_trainer(), module, data, budget=budget, device="cpu", steps=3)
+
+    assert data.batch_size == 4 and module.batch_size == 8
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    torch.manual_seed(0)
+    fitting, failing = Data(found.batch_size), Data(found.batch_size + 1)  # host memory, made before
+    estimate = ml.estimate(make_trainer(), module, fitting, steps=3, device="cpu")
+    with memlab.TensorTracker(capacity=budget) as tracker:
+        tracker.adopt(roots=[module])
+        make_trainer().fit(module, datamodule=fitting)
+        stats = tracker.memory_stats()
+    assert peaks(estimate) == {key: stats[key] for key in KEYS}
+    assert estimate.peak_reserved == found.estimate.peak_reserved
+    with pytest.raises(torch.OutOfMemoryError), memlab.TensorTracker(capacity=budget) as tracker:
+        tracker.adopt(roots=[module])
+        make_trainer().fit(module, datamodule=failing)
+
+
+class SetUpData(pl.LightningDataModule):
+    """A datamodule that makes its dataset in ``setup``, as most do."""
+
+    def setup(self, stage: str) -> None:
+        if hasattr(self, "dataset"):
+            return
+        generator = torch.Generator().manual_seed(2)
+        self.dataset = TensorDataset(torch.randn(64, 64, generator=generator), torch.randint(0, 10, (64,)))
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=8)
+
+
+def test_a_datamodule_set_up_in_setup_is_set_up_on_a_copy():
+    torch.manual_seed(0)
+    module, data, trainer = MLP(), SetUpData(), make_trainer()
+
+    estimate = ml.estimate(trainer, module, data, steps=3, device="cpu")
+
+    assert not hasattr(data, "dataset")
+    data.setup("fit")  # made before the tracked run: the dataset is host memory
+    with memlab.TensorTracker() as tracker:
+        tracker.adopt(roots=[module])
+        trainer.fit(module, datamodule=data)
+        stats = tracker.memory_stats()
+    assert peaks(estimate) == {key: stats[key] for key in KEYS}
