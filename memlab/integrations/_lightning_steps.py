@@ -195,9 +195,14 @@ class Batches:
     host memory they come from); :meth:`fetch` makes the counted copy at the moment Lightning's
     loop would have it: at collation on a CPU run, at the transfer to the device on a GPU."""
 
-    def __init__(self, batches: list[Any], at_transfer: bool) -> None:
+    def __init__(self, batches: list[Any], at_transfer: bool, cuda_defaults: bool = False) -> None:
         self.sources = batches
         self.at_transfer = at_transfer
+        #: Give the optimizers ``configure_optimizers`` makes the implementation CUDA would choose
+        #: (:func:`memlab.estimate.kernels.cuda_optimizer_defaults`): an estimate for CUDA here.
+        self.cuda_defaults = cuda_defaults
+        #: How many optimizers got CUDA's defaults (for the estimate's ``substituted``).
+        self.optimizer_defaults = 0
 
     def fetch(self, index: int) -> Any:
         return tree_map_only(torch.Tensor, torch.Tensor.clone, self.sources[index])
@@ -244,6 +249,10 @@ def _fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plug
     _convert_module(plugin, module)
     optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
     stand_in.optimizers, stand_in.lr_scheduler_configs = optimizers, schedulers
+    if batches.cuda_defaults:
+        from memlab.estimate.kernels import cuda_optimizer_defaults
+
+        batches.optimizer_defaults = sum(bool(cuda_optimizer_defaults(o)) for o in optimizers)
     strategy = stand_in.strategy
     strategy._lightning_optimizers = [
         LightningOptimizer._to_lightning_optimizer(o, strategy) for o in optimizers

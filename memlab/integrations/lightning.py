@@ -198,17 +198,24 @@ def _prepared(
         plan = dataclasses.replace(plan, prefetched=(*plan.prefetched[:-1], False))
     plugin = _plugin_for(trainer.precision_plugin, target)
     at_transfer = target.type != "cpu"
+    cuda_defaults = target.type == "cuda" and not torch.cuda.is_available()
+    made: list[Any] = []
 
     def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
         sources = [tree_map_only(torch.Tensor, torch.Tensor.clone, batch) for batch in drawn]
         if at_transfer:
             sources = [plugin.convert_input(batch) for batch in sources]
-        return (module, loop.Batches(sources, at_transfer), plan, trainer, plugin), {}
+        made.append(loop.Batches(sources, at_transfer, cuda_defaults))
+        return (module, made[-1], plan, trainer, plugin), {}
 
     def run(capacity: int | None) -> Estimate:
+        made.clear()
         with _rng_kept(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*self.log.*")
-            return run_estimate(loop.fit_steps, arguments, target, capacity=capacity, gpu=modelled)
+            built = run_estimate(loop.fit_steps, arguments, target, capacity=capacity, gpu=modelled)
+        if made and made[-1].optimizer_defaults:
+            built.substituted["optimizer_foreach"] = made[-1].optimizer_defaults
+        return built
 
     return run, plan
 

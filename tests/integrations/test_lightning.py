@@ -309,3 +309,15 @@ def test_a_datamodule_set_up_in_setup_is_set_up_on_a_copy():
         trainer.fit(module, datamodule=data)
         stats = tracker.memory_stats()
     assert peaks(estimate) == {key: stats[key] for key in KEYS}
+
+
+def test_the_default_estimate_is_for_a_gpu_with_its_kernels_and_optimizer_defaults():
+    """By default the steps are estimated for CUDA: autocast by CUDA's op lists for each of the six
+    batches, and the optimizer made by ``configure_optimizers`` given CUDA's foreach default."""
+    torch.manual_seed(0)
+    module = MLP()
+
+    estimate = ml.estimate(make_trainer(), module, steps=3)
+
+    assert (estimate.method, estimate.device.type) == ("fake", "cuda")
+    assert estimate.substituted == {"autocast": 6, "optimizer_foreach": 1}
