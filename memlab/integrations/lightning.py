@@ -109,7 +109,8 @@ def max_batch_size(
 
     As ``BatchSizeFinder`` does, the batch size is the attribute ``batch_arg_name`` of the
     ``datamodule`` (when it has one), else of ``module``, else of ``module.hparams``, and each size
-    is tried through the dataloader that ``train_dataloader()`` builds with it. Sizes are tried on
+    is tried through the dataloader that ``train_dataloader()`` builds with it, up to ``high``
+    (default: the length of that loader's dataset, where it has one). Sizes are tried on
     shallow copies of that owner: the user's objects keep their value unless ``apply=True``, which
     sets the size found (as ``BatchSizeFinder`` does). Searched by doubling from ``low`` then
     bisection (see :func:`memlab.max_batch_size`); ``budget``: bytes or a size such as
@@ -144,6 +145,10 @@ def max_batch_size(
                 _check_growth(found, size)  # a dataset smaller than the batch: every size the same
         return found[size] is not None
 
+    if high is None:  # a batch is never larger than the dataset (BatchSizeFinder stops there too)
+        high = _dataset_length(_train_loader(*sized(low), None))
+        if high is not None:
+            high = max(high, low)
     good, bad = search(fits, low, high)
     needs = None
     if bad is not None:
@@ -256,6 +261,13 @@ def _train_loader(module: Any, datamodule: Any, train_dataloaders: Any) -> Any:
         ready = copy.copy(owner)
         ready.setup("fit")
         return ready.train_dataloader()
+
+
+def _dataset_length(loader: Any) -> int | None:
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _length(loader: Any) -> int | None:
