@@ -260,8 +260,7 @@ def _fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plug
     if module.automatic_optimization and len(optimizers) != 1:
         raise ValueError(
             f"automatic optimization steps exactly one optimizer, configure_optimizers gave "
-            f"{len(optimizers)}: "
-            f"set automatic_optimization = False to step several"
+            f"{len(optimizers)}: set automatic_optimization = False to step several"
         )
     connector, results = stand_in._logger_connector, stand_in._results
     call._call_lightning_module_hook(stand_in, "on_train_start")
