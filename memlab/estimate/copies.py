@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab.estimate import sharded
 
@@ -177,6 +178,10 @@ class Copier:
             for value in (*sub._parameters.values(), *sub._buffers.values(), *vars(sub).values()):
                 if isinstance(value, torch.Tensor):
                     memo[id(value)] = self.tensor(value)
+        for sub in module.modules():
+            for tensor in _nested_tensors(list(vars(sub).values())):
+                if id(tensor) not in memo:
+                    memo[id(tensor)] = _host_clone(tensor)
         new = self._deepcopy(module, memo)
         self.modules.append(new)
         return new
@@ -191,7 +196,7 @@ class Copier:
                 if isinstance(value, torch.Tensor):
                     memo[id(value)] = self.tensor(value)
         new = self._deepcopy(optimizer, memo)
-        self.optimizers.append(new)
+        self.optimizers.append(_unwrapped(new))
         return new
 
     def _deepcopy(self, obj: Any, memo: dict[int, Any]) -> Any:
@@ -236,6 +241,39 @@ class Copier:
             rebinder.finish()
             return new
         return fn
+
+
+def _nested_tensors(values: list[Any]) -> list[torch.Tensor]:
+    """The tensors inside the lists, tuples and dicts among ``values`` (not ``values`` themselves)."""
+    found, todo = [], [v for v in values if type(v) in (list, tuple, dict)]
+    while todo:
+        obj = todo.pop()
+        for item in obj.values() if type(obj) is dict else obj:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif type(item) in (list, tuple, dict):
+                todo.append(item)
+    return found
+
+
+def _host_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A real clone, made outside the estimate's modes, of a tensor a module keeps in a container
+    attribute (a dataset a ``LightningModule`` holds): ``module.to()`` does not move it, so it is
+    not the device's memory and is not counted; ``copy.deepcopy`` of a real tensor inside the fake
+    mode fails, and the user's tensor must not be shared with the copy."""
+    with _disable_current_modes():
+        return tensor.detach().clone()
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a wrapper that subclasses ``Optimizer`` without its state
+    (accelerate's ``AcceleratedOptimizer`` keeps the real one as ``.optimizer`` and has no step
+    hooks): the one whose steps a tracker hooks and whose state it counts."""
+    while not hasattr(optimizer, "_optimizer_step_post_hooks") and isinstance(
+        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _shallow_values(obj: Any) -> list[Any]:
