@@ -23,6 +23,7 @@ import torch
 
 from memlab._gpus import GPU
 from memlab._tensors import live_tensors, storages_of
+from memlab._user_code import user_frame
 from memlab.history import categories
 from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
 from memlab.sources.allocator.config import allocation_size, round_size
@@ -35,6 +36,7 @@ __all__ = [
     "OOMCapture",
     "capture_cuda_oom",
     "capture_tracker_oom",
+    "holders",
 ]
 
 #: How many of the largest live tensors a capture keeps.
@@ -175,11 +177,13 @@ def _culprits(
     from memlab.reporter import MemReporter
 
     stack_locals = _stack_locals()
-    roots = [
-        *(() if call is None else (*call.args, *call.kwargs.values())),
-        *(() if tracker is None else (*tracker.models, *tracker.optimizers)),
-        *(value for _, value in stack_locals),
-    ]
+    roots = holders(
+        [
+            *(() if call is None else (*call.args, *call.kwargs.values(), *_named(call.func))),
+            *(() if tracker is None else (*tracker.models, *tracker.optimizers)),
+            *(value for _, value in stack_locals),
+        ]
+    )
     model = next((root for root in roots if isinstance(root, torch.nn.Module)), None)
     reporter = MemReporter(model, device_model=device_model, tracker=tracker)
     for root in roots:
@@ -200,6 +204,35 @@ def _culprits(
     ]
 
 
+def _named(func: Any) -> list[Any]:
+    """The objects ``func`` uses by name (the owner of a bound method and its attributes, globals,
+    closure variables: :func:`memlab.estimate.copies.named_objects`)."""
+    from memlab.estimate.copies import named_objects
+
+    return named_objects(func)
+
+
+def holders(values: list[Any]) -> list[Any]:
+    """``values``, each followed by the modules and optimizers it holds as attributes (directly, or
+    in a list, tuple or dict attribute): a trainer's ``model`` and ``optimizer``, a training
+    loop's ``self.model``. Modules and optimizers are not looked into (their tensors are named
+    through them)."""
+    found: list[Any] = []
+    for value in values:
+        found.append(value)
+        if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, type)):
+            continue
+        held = getattr(value, "__dict__", None)
+        if not isinstance(held, dict):
+            continue
+        for attribute in list(held.values()):
+            items = attribute.values() if isinstance(attribute, dict) else attribute
+            for item in items if isinstance(attribute, (list, tuple, dict)) else (attribute,):
+                if isinstance(item, (torch.nn.Module, torch.optim.Optimizer)):
+                    found.append(item)
+    return found
+
+
 def _stack_locals() -> list[tuple[str, Any]]:
     """``(name, value)`` of the local variables (arguments included) of the frames on the stack
     outside torch and memlab, the innermost frame first."""
@@ -213,11 +246,23 @@ def _stack_locals() -> list[tuple[str, Any]]:
 
 
 def _local_names(stack_locals: list[tuple[str, Any]]) -> dict[int, str]:
-    """``id(tensor) -> variable name`` for the tensors among ``stack_locals``, the first name kept."""
+    """``id(tensor) -> name`` for the tensors among ``stack_locals``, the first name kept: a
+    variable's name, or for a tensor inside a variable's dict, list or tuple (a model's output),
+    ``out.logits`` (a key that is also an attribute, as in Hugging Face's ``ModelOutput``),
+    ``batch['labels']`` or ``pair[0]``."""
     names: dict[int, str] = {}
     for name, value in stack_locals:
-        if isinstance(value, torch.Tensor) and id(value) not in names:
-            names[id(value)] = name
+        if isinstance(value, torch.Tensor):
+            names.setdefault(id(value), name)
+        elif isinstance(value, dict):
+            for key, item in list(value.items()):
+                if isinstance(item, torch.Tensor):
+                    attribute = isinstance(key, str) and getattr(value, key, None) is item
+                    names.setdefault(id(item), f"{name}.{key}" if attribute else f"{name}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    names.setdefault(id(item), f"{name}[{index}]")
     return names
 
 
@@ -238,7 +283,9 @@ def _step_frame(code: CodeType | None) -> FrameType | None:
 
 
 def _place(frames: list[dict[str, Any]]) -> str | None:
-    return f"{frames[0]['filename']}:{frames[0]['line']}" if frames else None
+    """``file:line`` of the innermost of a snapshot's ``frames`` in the user's code."""
+    frame = user_frame([(f["filename"], f["line"]) for f in frames])
+    return None if frame is None else f"{frame[0]}:{frame[1]}"
 
 
 def _in_code(frames: list[dict[str, Any]], code: CodeType) -> bool:
@@ -411,8 +458,11 @@ def _cuda_block(tensor: torch.Tensor, device: int) -> int | None:
 
 
 def failing_frame(stack: Stack) -> Frame | None:
-    """The innermost frame of ``stack`` outside torch and memlab (stacks are innermost first)."""
-    return next((frame for frame in stack if not is_own_file(frame[0])), None)
+    """The innermost frame of ``stack`` (innermost first) in the user's code: outside torch,
+    memlab and every installed package (:func:`memlab._user_code.user_frame`); where all are
+    libraries', the innermost outside torch and memlab."""
+    own = [frame for frame in stack if not is_own_file(frame[0])]
+    return user_frame(own)
 
 
 def traceback_stack(error: BaseException) -> Stack:

@@ -26,6 +26,7 @@ __all__ = [
     "ALLOCATOR_REMEDIES",
     "MAX_SPLIT_CANDIDATES_MB",
     "build_report",
+    "not_estimated",
     "replay_peak",
     "trace_events",
     "verdict",
@@ -261,8 +262,22 @@ def _attempt(remedy: Callable[..., Remedy | None], notes: list[str], *args: Any)
     try:
         return remedy(*args)
     except Exception as error:  # a remedy that cannot be computed is left out, with a note
-        notes.append(f"{remedy.__name__}: {type(error).__name__}: {error}")
+        notes.append(not_estimated(remedy.__name__, error))
         return None
+
+
+#: The longest note a remedy that could not be estimated leaves (one line of the report).
+NOTE_WIDTH = 200
+
+
+def not_estimated(name: str, error: BaseException) -> str:
+    """The one-line note of remedy function ``name`` (``checkpointing_remedy``) that raised
+    ``error``: ``checkpointing: not estimated: CheckpointError: <the message's first line>``,
+    cut to :data:`NOTE_WIDTH` characters."""
+    label = name.removesuffix("_remedy").replace("_", " ")
+    lines = str(error).strip().splitlines()
+    note = f"{label}: not estimated: {type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return note if len(note) <= NOTE_WIDTH else note[: NOTE_WIDTH - 1] + "…"
 
 
 def build_report(
