@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import memlab
-from memlab.oom.postmortem import replay_peak, trace_events
+from memlab.oom.postmortem import NOTE_WIDTH, replay_peak, trace_events
 from memlab.oom.report import shown_path
 from memlab.oom.step import Accumulation
 from tests.oom.test_step import Net, train_step
@@ -144,8 +144,11 @@ def test_every_remedy_marked_fits_completes_two_steps_when_applied_right_after_t
     # the history before the failing call, replayed under expandable segments (what a restart with
     # them meets), already runs out of the capacity at a 32 MiB workspace: left out, with a note
     assert report.notes[0].startswith(
-        "expandable_segments_remedy: OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB."
+        "expandable segments: not estimated: OutOfMemoryError: CUDA out of memory. Tried to allocate "
+        "32.00 MiB. GPU 0 has a total capacity of 108.00 MiB of which 28.00 MiB is free."
     )
+    assert len(report.notes[0]) == NOTE_WIDTH and report.notes[0].endswith("…")  # one line, cut
+    assert f"note: {report.notes[0]}" in report.text().splitlines()
     for remedy in report.remedies:
         if remedy.kind in ("expandable_segments", "max_split_size_mb"):
             continue  # a restart with another allocator setting: see the test below

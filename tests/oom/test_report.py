@@ -7,13 +7,15 @@ import gc
 import io
 import json
 import os
+import re
 import socket
 
 import pytest
 import torch
 
 import memlab
-from memlab.oom.report import shown_path
+from memlab.oom.capture import Culprit
+from memlab.oom.report import shortened, shown_path
 
 MIB = 1 << 20
 #: The small GPUs below hold their tensors and the 32 MiB cuBLAS workspace of the H100 a tracker
@@ -215,3 +217,76 @@ def test_a_gpu_oom_swallowed_by_a_library_is_still_reported(tmp_path):
             pass
     assert watch.report.caught
     assert watch.report.device == "cuda:0"
+
+
+class Loop:
+    """A training loop as trainers write it: the model and optimizer are attributes of ``self``,
+    the step a bound method that takes only the batch (a tiny Hugging Face GPT-2 from its config)."""
+
+    def __init__(self) -> None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+        self.model = GPT2LMHeadModel(config)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def training_step(self, ids):
+        out = self.model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return out.loss.detach()
+
+
+def test_a_hugging_face_oom_names_parameters_and_outputs_and_points_at_the_users_lines(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # sized for the tensors alone
+    torch.manual_seed(0)
+    with memlab.TensorTracker(capacity=int(3.5 * MIB), history=True):
+        loop = Loop()
+        watched = memlab.explain_oom(loop.training_step, stream=io.StringIO(), remedies=False)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(torch.randint(0, 512, (2, 32)))
+    lines = memlab.oom.last_report().text().splitlines()
+    here = shown_path(__file__)
+    made = Loop.__init__.__code__.co_firstlineno + 4  # self.model = GPT2LMHeadModel(config)
+    forward = Loop.training_step.__code__.co_firstlineno + 1  # out = self.model(...)
+    # inside transformers and torch, the user's own line: the call that ran out, the allocations
+    assert lines[:2] == [
+        f"memlab: out of memory (OutOfMemoryError) at {here}:{forward + 1} in training_step",
+        f"  {forward + 1:>5} | out.loss.backward()",
+    ]
+    start = lines.index("largest live tensors:")
+    culprits = lines[start + 1 : start + 6]
+    # a tensor that only autograd holds (saved for backward) has no name of its own: numbered
+    saved = culprits.pop(2)
+    assert re.fullmatch(rf"  Tensor\d+ +activation +128\.00K  {re.escape(here)}:{forward}", saved)
+    assert culprits == [
+        f"  transformer.wte.weight+lm_head.weight parameter         128.00K  {here}:{made}",
+        f"  out.logits                            unknown           128.00K  {here}:{forward}",
+        f"  transformer.h.0.mlp.c_fc.weight       parameter          64.00K  {here}:{made}",
+        f"  transformer.h.0.mlp.c_proj.weight     parameter          64.00K  {here}:{made}",
+    ]
+
+
+def test_long_names_are_shortened_in_the_middle_keeping_what_tells_them_apart():
+    culprits = tuple(
+        Culprit(name, "optimizer_state", 128 * 1024, "(512, 64)", "float32", None)
+        for name in (
+            "AdamW.transformer.wte.weight+lm_head.weight.exp_avg",
+            "AdamW.transformer.wte.weight+lm_head.weight.exp_avg_sq",
+            "AdamW.transformer.h.11.mlp.c_proj.weight.exp_avg_sq",
+            "weight",
+        )
+    )
+    report = memlab.oom.OOMReport("OutOfMemoryError", "", None, culprits=culprits)
+    assert report.text().splitlines()[1:] == [
+        "  ",
+        "  (no allocator state was captured for this error)",
+        "largest live tensors:",
+        "  AdamW.transform…te.weight+lm_head.weight.exp_avg optimizer_state   128.00K",
+        "  AdamW.transform…weight+lm_head.weight.exp_avg_sq optimizer_state   128.00K",
+        "  AdamW.transform….11.mlp.c_proj.weight.exp_avg_sq optimizer_state   128.00K",
+        "  weight                                           optimizer_state   128.00K",
+    ]
+    assert shortened("transformer.h.0.attn", 32) == "transformer.h.0.attn"
+    assert shortened("abcdefghij", 7) == "ab…ghij"
