@@ -25,7 +25,8 @@ _ACTION_WIDTH = 72
 
 @dataclass(frozen=True)
 class Place:
-    """Where the failing request was made: the innermost frame outside torch and memlab."""
+    """Where the failing request was made: the innermost frame in the user's code (outside torch,
+    memlab and installed packages: :func:`memlab.oom.capture.failing_frame`)."""
 
     filename: str
     line: int
