@@ -290,3 +290,42 @@ def test_long_names_are_shortened_in_the_middle_keeping_what_tells_them_apart():
     ]
     assert shortened("transformer.h.0.attn", 32) == "transformer.h.0.attn"
     assert shortened("abcdefghij", 7) == "ab…ghij"
+
+
+def hf_step(model, optimizer, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell_it_apart(monkeypatch):
+    """AdamW's first step on a tiny GPT-2 (its embedding tied to its head) runs out of memory while
+    making the moments: the two moments of the tied weight differ only at the end of their names."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    torch.manual_seed(0)
+    watched = memlab.explain_oom(hf_step, stream=io.StringIO(), remedies=False)
+    with memlab.TensorTracker(capacity=3968 * 1024, history=True):
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+        model = GPT2LMHeadModel(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, optimizer, torch.randint(0, 512, (1, 8)))
+    lines = memlab.oom.last_report().text().splitlines()
+    here, first = shown_path(__file__), hf_step.__code__.co_firstlineno
+    made = test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell_it_apart
+    made = made.__code__.co_firstlineno + 10  # model = GPT2LMHeadModel(config)
+    assert lines[:2] == [
+        f"memlab: out of memory (OutOfMemoryError) at {here}:{first + 3} in hf_step",
+        f"  {first + 3:>5} | optimizer.step()",
+    ]
+    start = lines.index("largest live tensors:")
+    assert lines[start + 1 : start + 6] == [
+        f"  transformer.wte.weight+lm_head.weight            parameter         128.00K  {here}:{made}",
+        f"  transformer.wte.weight+lm_head.weight.grad       gradient          128.00K  {here}:{first + 2}",
+        f"  AdamW.transform…te.weight+lm_head.weight.exp_avg optimizer_state   128.00K  {here}:{first + 3}",
+        f"  AdamW.transform…weight+lm_head.weight.exp_avg_sq optimizer_state   128.00K  {here}:{first + 3}",
+        f"  transformer.h.0.mlp.c_fc.weight                  parameter          64.00K  {here}:{made}",
+    ]
