@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import logging
 import os
 import re
 import socket
@@ -328,4 +329,30 @@ def test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell
         f"  AdamW.transform…te.weight+lm_head.weight.exp_avg optimizer_state   128.00K  {here}:{first + 3}",
         f"  AdamW.transform…weight+lm_head.weight.exp_avg_sq optimizer_state   128.00K  {here}:{first + 3}",
         f"  transformer.h.0.mlp.c_fc.weight                  parameter          64.00K  {here}:{made}",
+    ]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_remedies_being_estimated_are_shown(monkeypatch, caplog):
+    monkeypatch.delenv("MEMLAB_PROGRESS", raising=False)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    caplog.set_level(logging.INFO, logger="memlab")
+    report = _report()
+    names = ["expandable segments", "max split size", "free held", "micro batch", "bf16 autocast"]
+    names += ["fp16 autocast", "checkpointing"]
+    lines = [f"memlab explain_oom: estimating {name} ({i} of 7)" for i, name in enumerate(names, 1)]
+    lines.append(f"memlab explain_oom: {len(report.remedies)} remedies estimated of 7 tried")
+    widths = [0, *(len(line) for line in lines)]
+    # each line rewrites the one before, spaces over what is left of it
+    assert (
+        terminal.getvalue()
+        == "".join("\r" + line.ljust(width) for line, width in zip(lines, widths, strict=False)) + "\n"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "memlab"] == [
+        "explain_oom: 2 remedies estimated of 7 tried"
     ]
