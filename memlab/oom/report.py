@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlab._units import format_size
-from memlab.oom.capture import Culprit
+from memlab.oom.names import Culprit
 
 __all__ = ["FRAGMENTATION", "SHORTAGE", "OOMReport", "Place", "Remedy", "shortened"]
 

@@ -363,7 +363,7 @@ def _step_model(call: Any) -> torch.nn.Module | None:
     """The model of a watched call: the first module among its arguments, the objects its function
     names (the owner of a bound method) and the modules they hold as attributes."""
     from memlab.estimate.copies import named_objects
-    from memlab.oom.capture import holders
+    from memlab.oom.names import holders
 
     roots = holders([*call.args, *call.kwargs.values(), *named_objects(call.func)])
     return next((root for root in roots if isinstance(root, torch.nn.Module)), None)

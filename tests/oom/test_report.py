@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import memlab
-from memlab.oom.capture import Culprit
+from memlab.oom.names import Culprit
 from memlab.oom.report import shortened, shown_path
 
 MIB = 1 << 20
