@@ -54,6 +54,8 @@ LAYERS = {
     "memlab._movable": 1,
     "memlab._outputs": 1,
     "memlab._call_watches": 1,
+    "memlab._progress": 1,
+    "memlab._user_code": 1,
     # 2: the CUDA caching allocator model; records of alloc/free with stacks, categories
     "memlab.sources.allocator": 2,
     "memlab.history": 2,

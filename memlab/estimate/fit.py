@@ -8,6 +8,7 @@ until a size runs out of memory, then by bisection, never by extrapolating from 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
+from memlab._progress import Progress
 from memlab._units import check_count, format_size, parse_size
 from memlab.estimate.estimate import Estimate, run_estimate
 
@@ -125,6 +127,7 @@ def max_batch_size(
     device: torch.device | str | None = None,
     steps: int = 2,
     gpu: GpuLike | None = None,
+    progress: bool | None = None,
 ) -> BatchFit:
     """The largest batch size ``B`` (``low <= B <= high``) at which ``steps`` training steps in a
     row fit in ``budget`` minus ``headroom``: the steady state of training, not only its first
@@ -150,6 +153,11 @@ def max_batch_size(
     default: the active tracker's, else the GPU in use, else :data:`memlab._gpus.DEFAULT_GPU`).
     What the estimates cannot see (cuDNN workspaces, the CUDA context on a GPU machine) is not in
     the budget: leave it as ``headroom``.
+
+    ``progress``: a line on stderr says which batch is being tried and how many estimates ran
+    (``True``: always; ``False``: never; ``None``: when stderr is a terminal, unless
+    ``MEMLAB_PROGRESS=0``); each result is also logged on the ``memlab`` logger
+    (:mod:`memlab._progress`).
 
     Sizes are searched by doubling from ``low``, then by bisection: O(log B) estimates, each the
     cost of ``steps`` data-free steps; a step whose peak does not grow with the batch stops at
@@ -177,6 +185,7 @@ def max_batch_size(
             f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
         )
     found: dict[int, Estimate | None] = {}
+    shown = Progress("max_batch_size", progress=progress)
 
     def estimate(size: int, capacity: int | None) -> Estimate:
         arguments = lambda: call_arguments(make_batch(size))  # noqa: E731
@@ -184,14 +193,30 @@ def max_batch_size(
 
     def fits(size: int) -> bool:
         if size not in found:
+            shown.update(f"trying batch {size} (estimate {len(found) + 1})", logging.DEBUG)
             found[size] = fitting_estimate(lambda capacity: estimate(size, capacity), limit - extra)
             if high is None:
                 _check_growth(found, size)
+            shown.update(_outcome(size, found[size], limit - extra, len(found)))
         return found[size] is not None
 
-    good, bad = search(fits, low, high)
-    needs = None if bad is None else estimate(bad, None)
-    return BatchFit(good, found.get(good), needs, len(found) + (bad is not None), limit, extra, steps, bad)
+    with shown:
+        good, bad = search(fits, low, high)
+        if bad is not None:
+            shown.update(f"estimating what batch {bad} needs (estimate {len(found) + 1})", logging.DEBUG)
+        needs = None if bad is None else estimate(bad, None)
+        fit = BatchFit(good, found.get(good), needs, len(found) + (bad is not None), limit, extra, steps, bad)
+        shown.done(repr(fit))
+    return fit
+
+
+def _outcome(size: int, estimate: Estimate | None, capacity: int, count: int) -> str:
+    """The progress line of one batch size's estimate: whether it fits, and the estimates so far."""
+    plural = "s" if count > 1 else ""
+    if estimate is None:
+        return f"batch {size} does not fit in {format_size(capacity)} ({count} estimate{plural})"
+    peak = format_size(estimate.peak_reserved)
+    return f"batch {size} fits, peak reserved {peak} ({count} estimate{plural})"
 
 
 def _check_growth(found: dict[int, Estimate | None], size: int) -> None:

@@ -2,8 +2,9 @@
 the memory, whether it was fragmentation or shortage, and what would fit, with numbers.
 
 :mod:`.watch` holds :func:`explain_oom` (the context manager and decorator), :mod:`.capture` the
-state captured at the moment of the error, :mod:`.postmortem` the verdict and remedies,
-:mod:`.step` the remedies estimated from the step, :mod:`.report` the report and its renderers.
+state captured at the moment of the error (:mod:`.names` names its largest live tensors),
+:mod:`.postmortem` the verdict and remedies, :mod:`.step` the remedies estimated from the step,
+:mod:`.report` the report and its renderers.
 """
 
 from __future__ import annotations

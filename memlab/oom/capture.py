@@ -23,22 +23,21 @@ import torch
 
 from memlab._gpus import GPU
 from memlab._tensors import live_tensors, storages_of
+from memlab._user_code import user_frame
 from memlab.history import categories
-from memlab.history.recorder import Frame, Stack, capture_stack, is_own_code, is_own_file
+from memlab.history.recorder import Frame, Stack, capture_stack, is_own_file
+from memlab.oom.names import Culprit, culprits
 from memlab.sources.allocator.config import allocation_size, round_size
 from memlab.sources.tracker import active_tracker
 
 __all__ = [
     "Call",
-    "Culprit",
     "HeldBlock",
     "OOMCapture",
     "capture_cuda_oom",
     "capture_tracker_oom",
 ]
 
-#: How many of the largest live tensors a capture keeps.
-CULPRITS = 5
 _MODEL_STATE = {categories.PARAMETER, categories.BUFFER, categories.GRADIENT, categories.OPTIMIZER_STATE}
 _NOT_HELD = {*_MODEL_STATE, categories.WORKSPACE}  # what the step needs in every call
 _sequence = itertools.count(1)
@@ -72,20 +71,6 @@ class Call:
         while hasattr(func, "__wrapped__"):
             func = func.__wrapped__
         return getattr(func, "__code__", None)
-
-
-@dataclass(frozen=True)
-class Culprit:
-    """A live tensor at the moment of the OOM: its ``MemReporter`` name, category, bytes (as the
-    allocator counts them), shape, dtype and ``file:line`` of its allocation (``None`` without a
-    history)."""
-
-    name: str
-    category: str
-    size: int
-    shape: str
-    dtype: str
-    allocated_at: str | None
 
 
 @dataclass(frozen=True)
@@ -158,76 +143,6 @@ def _largest_free_block(segments: Iterable[dict[str, Any]]) -> int:
     )
 
 
-def _culprits(
-    device: torch.device,
-    call: Call | None,
-    tracker: Any,
-    device_model: str | None,
-    failing: torch.UntypedStorage | None = None,
-) -> list[Culprit]:
-    """The largest live tensors on ``device`` as :class:`memlab.MemReporter` names them (the model
-    names parameters, gradients and buffers: the first among the call's arguments, else the first
-    the tracker knows (:meth:`~memlab.TensorTracker.add_model`), else the first a local variable
-    of a frame on the stack holds, innermost first; optimizers found the same ways name optimizer
-    state; other tensors that a local variable holds get the variable's name), leaving out the
-    tensors of the ``failing`` storage (a tracked op's output exists on the tracker's real device
-    when its modelled allocation fails)."""
-    from memlab.reporter import MemReporter
-
-    stack_locals = _stack_locals()
-    roots = [
-        *(() if call is None else (*call.args, *call.kwargs.values())),
-        *(() if tracker is None else (*tracker.models, *tracker.optimizers)),
-        *(value for _, value in stack_locals),
-    ]
-    model = next((root for root in roots if isinstance(root, torch.nn.Module)), None)
-    reporter = MemReporter(model, device_model=device_model, tracker=tracker)
-    for root in roots:
-        if isinstance(root, torch.optim.Optimizer):
-            reporter.add_optimizer(root)
-    records = reporter.snapshot().select(str(device), verbose=False)
-    anonymous = [(entry[0](), entry[2]) for entry in reporter._anonymous.values()]
-    if failing is not None:
-        names = {name for tensor, name in anonymous if _holds(tensor, failing)}
-        records = [r for r in records if r.name not in names]
-    local = _local_names(stack_locals)
-    renamed = {name: local[id(tensor)] for tensor, name in anonymous if id(tensor) in local}
-    records = [r._replace(name=renamed.get(r.name, r.name)) for r in records]
-    records = sorted((r for r in records if r.memory), key=lambda r: -r.memory)
-    return [
-        Culprit(r.name, r.category, r.memory, r.size_text, r.dtype, r.allocated_at)
-        for r in records[:CULPRITS]
-    ]
-
-
-def _stack_locals() -> list[tuple[str, Any]]:
-    """``(name, value)`` of the local variables (arguments included) of the frames on the stack
-    outside torch and memlab, the innermost frame first."""
-    found: list[tuple[str, Any]] = []
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if not is_own_code(frame.f_code):
-            found += frame.f_locals.items()
-        frame = frame.f_back
-    return found
-
-
-def _local_names(stack_locals: list[tuple[str, Any]]) -> dict[int, str]:
-    """``id(tensor) -> variable name`` for the tensors among ``stack_locals``, the first name kept."""
-    names: dict[int, str] = {}
-    for name, value in stack_locals:
-        if isinstance(value, torch.Tensor) and id(value) not in names:
-            names[id(value)] = name
-    return names
-
-
-def _holds(tensor: torch.Tensor | None, storage: torch.UntypedStorage) -> bool:
-    try:
-        return tensor is not None and tensor.untyped_storage() is storage
-    except Exception:  # tensors without storage (fake, sparse, wrapper subclasses)
-        return False
-
-
 def _step_frame(code: CodeType | None) -> FrameType | None:
     frame = sys._getframe(1)
     while frame is not None and code is not None:
@@ -238,7 +153,9 @@ def _step_frame(code: CodeType | None) -> FrameType | None:
 
 
 def _place(frames: list[dict[str, Any]]) -> str | None:
-    return f"{frames[0]['filename']}:{frames[0]['line']}" if frames else None
+    """``file:line`` of the innermost of a snapshot's ``frames`` in the user's code."""
+    frame = user_frame([(f["filename"], f["line"]) for f in frames])
+    return None if frame is None else f"{frame[0]}:{frame[1]}"
 
 
 def _in_code(frames: list[dict[str, Any]], code: CodeType) -> bool:
@@ -344,7 +261,7 @@ def capture_tracker_oom(
     gc.disable()
     try:
         device_model = "cuda" if tracker.allocator == "cuda" else None
-        capture.culprits = _culprits(device, call, tracker, device_model, storage)
+        capture.culprits = culprits(device, call, tracker, device_model, storage)
         history = allocator.history
         if history is not None:
             capture.snapshot = tracker.snapshot(device)
@@ -396,7 +313,7 @@ def capture_cuda_oom(
         call=call,
     )
     _modules_at_oom(capture, active_tracker(), torch.device("cuda", device))
-    capture.culprits = _culprits(torch.device("cuda", device), call, None, None)
+    capture.culprits = culprits(torch.device("cuda", device), call, None, None)
     if capture.trace_complete:
         capture.kept = kept_blocks(call, lambda t: _cuda_block(t, device))
     return capture
@@ -411,8 +328,11 @@ def _cuda_block(tensor: torch.Tensor, device: int) -> int | None:
 
 
 def failing_frame(stack: Stack) -> Frame | None:
-    """The innermost frame of ``stack`` outside torch and memlab (stacks are innermost first)."""
-    return next((frame for frame in stack if not is_own_file(frame[0])), None)
+    """The innermost frame of ``stack`` (innermost first) in the user's code: outside torch,
+    memlab and every installed package (:func:`memlab._user_code.user_frame`); where all are
+    libraries', the innermost outside torch and memlab."""
+    own = [frame for frame in stack if not is_own_file(frame[0])]
+    return user_frame(own)
 
 
 def traceback_stack(error: BaseException) -> Stack:

@@ -12,10 +12,12 @@ allocator state right after the failure (:mod:`memlab.oom.state`).
 from __future__ import annotations
 
 import linecache
+import logging
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from memlab._progress import Progress
 from memlab._units import format_size
 from memlab.oom.capture import OOMCapture, failing_frame, traceback_stack
 from memlab.oom.report import FRAGMENTATION, SHORTAGE, OOMReport, Place, Remedy
@@ -26,6 +28,7 @@ __all__ = [
     "ALLOCATOR_REMEDIES",
     "MAX_SPLIT_CANDIDATES_MB",
     "build_report",
+    "not_estimated",
     "replay_peak",
     "trace_events",
     "verdict",
@@ -240,10 +243,25 @@ def _place(stack: tuple[tuple[str, int, str], ...]) -> Place | None:
 
 
 def _remedies(capture: OOMCapture, notes: list[str]) -> tuple[Remedy, ...]:
+    """The remedies of ``capture`` that apply, each estimated in turn (the progress of which a
+    terminal shows: :mod:`memlab._progress`); ``notes`` gets one line per remedy left out."""
     from memlab.oom.state import failure_state
     from memlab.oom.step import STEP_REMEDIES
 
-    found = [_attempt(remedy, notes, capture) for remedy in ALLOCATOR_REMEDIES]
+    step = not capture.held and capture.call is not None
+    todo = [*ALLOCATOR_REMEDIES, *(STEP_REMEDIES if step else ())]
+    found: list[Remedy | None] = []
+    start: Any = None  # the state the step remedies start from, made before the first of them
+    with Progress("explain_oom") as shown:
+        for index, remedy in enumerate(todo, 1):
+            if remedy is STEP_REMEDIES[0]:
+                start = failure_state(capture)
+            label = _label(remedy.__name__)
+            shown.update(f"estimating {label} ({index} of {len(todo)})", logging.DEBUG)
+            arguments = (capture, start) if remedy in STEP_REMEDIES else (capture,)
+            found.append(_attempt(remedy, notes, *arguments))
+        listed = [remedy for remedy in found if remedy is not None]
+        shown.done(f"{len(listed)} remed{'y' if len(listed) == 1 else 'ies'} estimated of {len(todo)} tried")
     if capture.held:
         # An estimate starts from the step's arguments: memory held elsewhere would be missing from
         # its "fits", and the rerun would add fake tensors to whatever holds them.
@@ -251,18 +269,34 @@ def _remedies(capture: OOMCapture, notes: list[str]) -> tuple[Remedy, ...]:
             "step remedies left out: tensors held across calls are outside the step's arguments, "
             "where estimates cannot see them; free them first"
         )
-    elif capture.call is not None:
-        start = failure_state(capture)
-        found += [_attempt(remedy, notes, capture, start) for remedy in STEP_REMEDIES]
-    return tuple(remedy for remedy in found if remedy is not None)
+    return tuple(listed)
+
+
+def _label(name: str) -> str:
+    """A remedy function's name as the report says it: ``max_split_size_remedy`` -> ``max split size``."""
+    return name.removesuffix("_remedy").replace("_", " ")
 
 
 def _attempt(remedy: Callable[..., Remedy | None], notes: list[str], *args: Any) -> Remedy | None:
     try:
         return remedy(*args)
     except Exception as error:  # a remedy that cannot be computed is left out, with a note
-        notes.append(f"{remedy.__name__}: {type(error).__name__}: {error}")
+        notes.append(not_estimated(remedy.__name__, error))
         return None
+
+
+#: The longest note a remedy that could not be estimated leaves (one line of the report).
+NOTE_WIDTH = 200
+
+
+def not_estimated(name: str, error: BaseException) -> str:
+    """The one-line note of remedy function ``name`` (``checkpointing_remedy``) that raised
+    ``error``: ``checkpointing: not estimated: CheckpointError: <the message's first line>``,
+    cut to :data:`NOTE_WIDTH` characters."""
+    label = _label(name)
+    lines = str(error).strip().splitlines()
+    note = f"{label}: not estimated: {type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return note if len(note) <= NOTE_WIDTH else note[: NOTE_WIDTH - 1] + "…"
 
 
 def build_report(

@@ -12,19 +12,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlab._units import format_size
-from memlab.oom.capture import Culprit
+from memlab.oom.names import Culprit
 
-__all__ = ["FRAGMENTATION", "SHORTAGE", "OOMReport", "Place", "Remedy"]
+__all__ = ["FRAGMENTATION", "SHORTAGE", "OOMReport", "Place", "Remedy", "shortened"]
 
 FRAGMENTATION = "fragmentation"
 SHORTAGE = "shortage"
-_NAME_WIDTH = 32
+_NAME_WIDTH = 32  # the name column's width at least
+_LONGEST_NAME = 48  # and at most: longer names are shortened in the middle
 _ACTION_WIDTH = 72
 
 
 @dataclass(frozen=True)
 class Place:
-    """Where the failing request was made: the innermost frame outside torch and memlab."""
+    """Where the failing request was made: the innermost frame in the user's code (outside torch,
+    memlab and installed packages: :func:`memlab.oom.capture.failing_frame`)."""
 
     filename: str
     line: int
@@ -42,6 +44,16 @@ def shown_path(path: str) -> str:
     except ValueError:  # another drive on Windows
         return path
     return path if relative.startswith(os.pardir) else relative
+
+
+def shortened(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters: whole when it fits, else its first third and its
+    last two thirds around ``…``, so that the end, where names differ (``….exp_avg`` /
+    ``….exp_avg_sq``, ``h.0.…`` / ``h.11.…``), stays."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 3
+    return f"{name[:head]}…{name[len(name) - (width - 1 - head) :]}"
 
 
 def _shown_place(place: str) -> str:
@@ -119,6 +131,8 @@ class OOMReport:
     Where a tracker recorded memory per module, ``module`` is ``(path, "forward" | "backward")`` of
     the module running at the failure and ``activations`` ``(path, bytes)`` of the module whose
     saved tensors held the most then (paths as ``by_module`` gives them; ``""`` is the root).
+    ``notes`` are one line each: what could not be captured, and each remedy left out and why
+    (``checkpointing: not estimated: CheckpointError: …``, the exception's first line).
     """
 
     error_type: str
@@ -186,10 +200,11 @@ class OOMReport:
             lines.append(f"most activations: {path} holds {held} saved for backward")
         if self.culprits:
             lines.append("largest live tensors:")
+            width = min(max(_NAME_WIDTH, *(len(c.name) for c in self.culprits)), _LONGEST_NAME)
             for c in self.culprits:
-                name = c.name if len(c.name) <= _NAME_WIDTH else c.name[: _NAME_WIDTH - 1] + "…"
+                name = shortened(c.name, width)
                 place = f"  {_shown_place(c.allocated_at)}" if c.allocated_at else ""
-                lines.append(f"  {name:<{_NAME_WIDTH}} {c.category:<15} {format_size(c.size):>9}{place}")
+                lines.append(f"  {name:<{width}} {c.category:<15} {format_size(c.size):>9}{place}")
         if self.remedies:
             lines.append(
                 f"remedies (predicted peak reserved, capacity {format_size(self.remedies[0].capacity)}):"
@@ -200,6 +215,8 @@ class OOMReport:
                 lines.append(f"  {r.action:<{width}} {format_size(r.peak_reserved):>9}  {verdict[r.fits]}")
             unsure = dict.fromkeys(r.unsure for r in self.remedies if r.fits is None)
             lines += [f"  a margin is no promise: {reason}" for reason in unsure]
+        if self.requested is not None:
+            lines += [f"note: {note}" for note in self.notes]
         if self.snapshot_path is not None:
             lines.append(f"snapshot: {self.snapshot_path} (memlab viz, or pytorch.org/memory_viz)")
         elif self.snapshot_error is not None:

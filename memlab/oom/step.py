@@ -45,6 +45,7 @@ REMEDY_STEPS = 2
 #: and the last (the optimizer step).
 MICRO_BATCHES_ESTIMATED = 3
 Start = AllocatorState | str  # the state a remedy starts from, or why the state at the failure is unknown
+CallContext = Callable[[Any, int], contextlib.AbstractContextManager[Any]]  # (copier, call index)
 
 
 def find_batch(call: Call) -> tuple[int, int] | None:
@@ -152,15 +153,20 @@ def _peak(
     make_arguments: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
     capacity: int | None,
     micro_batches: int = 1,
+    call_context: CallContext | None = None,
 ) -> int:
     """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps of
     ``micro_batches`` calls each (:class:`Accumulation`), from ``start`` (the state at the failure;
     an empty allocator where it is unknown) under ``capacity`` bytes (``None``: no limit), counting
     the cuBLAS workspaces of the GPU the failing run modelled (``capture.gpu``; for a GPU's own
-    error, the GPU in use); ``torch.OutOfMemoryError`` where they do not fit."""
+    error, the GPU in use); ``torch.OutOfMemoryError`` where they do not fit. ``call_context``:
+    as :func:`~memlab.estimate.estimate.run_estimate`'s (with one micro-batch only)."""
     from memlab.estimate.estimate import run_estimate
 
     calls = min(micro_batches, MICRO_BATCHES_ESTIMATED)
+    assert call_context is None or calls == 1
+    if calls > 1:
+        call_context = Accumulation(calls)
     return run_estimate(
         fn,
         make_arguments,
@@ -168,7 +174,7 @@ def _peak(
         steps=REMEDY_STEPS * calls,
         capacity=capacity,
         start=start.starter(capacity) if isinstance(start, AllocatorState) else None,
-        call_context=Accumulation(calls) if calls > 1 else None,
+        call_context=call_context,
         gpu=capture.gpu,
     ).peak_reserved
 
@@ -242,15 +248,19 @@ def unsure(start: Start) -> str | None:
 
 
 def step_peak(
-    capture: OOMCapture, start: Start, context: contextlib.AbstractContextManager[Any] | None = None
+    capture: OOMCapture,
+    start: Start,
+    context: contextlib.AbstractContextManager[Any] | None = None,
+    call_context: CallContext | None = None,
 ) -> int:
-    """Peak reserved bytes of the watched call's step estimated under ``context`` for
-    :data:`REMEDY_STEPS` steps from ``start`` under the capacity, or without a limit where it does
-    not fit there (what it would need)."""
+    """Peak reserved bytes of the watched call's step estimated under ``context`` (and each call
+    under ``call_context(copier, index)``, given the copies) for :data:`REMEDY_STEPS` steps from
+    ``start`` under the capacity, or without a limit where it does not fit there (what it would
+    need)."""
     call = capture.call
     assert call is not None
     with context or contextlib.nullcontext():
-        return _needed(capture, start, call.func, lambda: (call.args, call.kwargs))
+        return _needed(capture, start, call.func, lambda: (call.args, call.kwargs), call_context=call_context)
 
 
 def _autocast_remedy(capture: OOMCapture, start: Start, dtype: torch.dtype, kind: str) -> Remedy | None:
@@ -320,26 +330,71 @@ def checkpointed(cls: type[torch.nn.Module]) -> Iterator[None]:
             cls.forward = own  # type: ignore[method-assign]
 
 
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face ``transformers.PreTrainedModel`` (read from its class's
+    bases: transformers is not imported)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+        for cls in type(model).__mro__
+    )
+
+
+def _transformers_checkpointing(model: torch.nn.Module) -> CallContext:
+    """The ``call_context`` that applies Hugging Face's own activation checkpointing to the copy
+    of ``model`` before the first call: ``gradient_checkpointing_enable()`` (its defaults) and
+    ``config.use_cache = False`` (a key-value cache filled again by each recomputation breaks
+    it), as a user writes them. Only the copy (and its own copy of the config) changes."""
+
+    @contextlib.contextmanager
+    def enabled(copier: Any, index: int) -> Iterator[None]:
+        if index == 0:
+            copies = [copy for copy in copier.modules if type(copy) is type(model)]
+            if not copies:
+                raise ValueError(f"the estimate made no copy of the {type(model).__name__} to checkpoint")
+            for copy in copies:  # the copy the estimate made of the user's model
+                copy.gradient_checkpointing_enable()
+                copy.config.use_cache = False
+        yield
+
+    return enabled
+
+
+def _step_model(call: Any) -> torch.nn.Module | None:
+    """The model of a watched call: the first module among its arguments, the objects its function
+    names (the owner of a bound method) and the modules they hold as attributes."""
+    from memlab.estimate.copies import named_objects
+    from memlab.oom.names import holders
+
+    roots = holders([*call.args, *call.kwargs.values(), *named_objects(call.func)])
+    return next((root for root in roots if isinstance(root, torch.nn.Module)), None)
+
+
 def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
-    """The step estimated with activation checkpointing of the repeated blocks of the first module
-    among its arguments (:func:`repeated_blocks`); ``None`` without such a module."""
+    """The step estimated with activation checkpointing of the repeated blocks
+    (:func:`repeated_blocks`) of the step's model (:func:`_step_model`); ``None`` without one.
+
+    A Hugging Face model is checkpointed its own way (:func:`_transformers_checkpointing`:
+    ``model.gradient_checkpointing_enable()`` and ``model.config.use_cache = False``, the remedy's
+    action); any other model's blocks run their forward under non-reentrant
+    ``torch.utils.checkpoint`` (:func:`checkpointed`). A model that cannot be checkpointed raises,
+    and the report says why (:func:`memlab.oom.postmortem.build_report`)."""
     call = capture.call
     if call is None or capture.capacity <= 0:
         return None
-    model = next((a for a in (*call.args, *call.kwargs.values()) if isinstance(a, torch.nn.Module)), None)
+    model = _step_model(call)
     found = None if model is None else repeated_blocks(model)
-    if found is None:
+    if model is None or found is None:
         return None
     cls, count = found
-    peak = step_peak(capture, start, checkpointed(cls))
-    return Remedy(
-        "checkpointing",
-        f"activation checkpointing of the {count} {cls.__name__} blocks",
-        peak,
-        capture.capacity,
-        {"block": cls.__name__, "blocks": count},
-        unsure=unsure(start),
-    )
+    action = f"activation checkpointing of the {count} {cls.__name__} blocks"  # (its own for HF)
+    details: dict[str, Any] = {"block": cls.__name__, "blocks": count, "transformers": False}
+    if is_transformers_model(model):
+        peak = step_peak(capture, start, call_context=_transformers_checkpointing(model))
+        action = "model.gradient_checkpointing_enable(), config.use_cache=False"
+        details["transformers"] = True
+    else:
+        peak = step_peak(capture, start, checkpointed(cls))
+    return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=unsure(start))
 
 
 #: The step remedies, in the order they are listed: each takes the capture and the state at the

@@ -19,6 +19,7 @@ import torch
 from memlab._devices import DeviceLike
 from memlab._outputs import check_stream
 from memlab._tensors import check_optimizer, reachable_tensors
+from memlab._user_code import user_frame
 from memlab.history.categories import BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, UNKNOWN
 from memlab.reporter.diff import SnapshotDiff
 from memlab.reporter.records import DEVICE_MODELS, DenseTensors, build_records
@@ -316,10 +317,11 @@ def _with_places(
             placed.append(record)
             continue
         stack, category = context
+        frame = user_frame(stack)
         placed.append(
             record._replace(
                 category=category if record.category == UNKNOWN else record.category,
-                allocated_at=f"{stack[0][0]}:{stack[0][1]}" if stack else None,
+                allocated_at=None if frame is None else f"{frame[0]}:{frame[1]}",
             )
         )
     return placed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import math
 
 import pytest
@@ -253,3 +255,63 @@ def test_max_batch_size_for_a_named_gpu_defaults_to_cuda_and_its_memory():
     assert fit.estimate.by_category("end")["workspace"] == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
     with pytest.raises(ValueError, match=r"^gpu 'Z80' is not a GPU memlab knows"):
         memlab.max_batch_size(step, make_batch, gpu="Z80")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_search_shows_each_batch_tried_and_logs_each_result(monkeypatch, caplog):
+    monkeypatch.delenv("MEMLAB_PROGRESS", raising=False)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    caplog.set_level(logging.INFO, logger="memlab")
+    _, _, step = problem()
+    budget = 112 * 2**20
+    fit = memlab.max_batch_size(step, make_batch, budget, low=3, high=5)
+    three, five = (format_size(memlab.estimate(step, *make_batch(b), steps=2).peak_reserved) for b in (3, 5))
+    lines = [
+        "memlab max_batch_size: trying batch 3 (estimate 1)",
+        f"memlab max_batch_size: batch 3 fits, peak reserved {three} (1 estimate)",
+        "memlab max_batch_size: trying batch 5 (estimate 2)",
+        f"memlab max_batch_size: batch 5 fits, peak reserved {five} (2 estimates)",
+        f"memlab max_batch_size: {fit!r}",
+    ]
+    widths = [0, *(len(line) for line in lines)]
+    assert (
+        terminal.getvalue()
+        == "".join("\r" + line.ljust(width) for line, width in zip(lines, widths, strict=False)) + "\n"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "memlab"] == [
+        line.removeprefix("memlab ") for line in (lines[1], lines[3], lines[4])
+    ]
+
+
+def test_a_batch_that_does_not_fit_is_said_so_and_then_measured(monkeypatch):
+    monkeypatch.delenv("MEMLAB_PROGRESS", raising=False)
+    _, _, step = problem()
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    fit = memlab.max_batch_size(step, make_batch, "8 MiB", low=100_000)
+    assert terminal.getvalue().split("\r")[1:] == [
+        "memlab max_batch_size: trying batch 100000 (estimate 1)",
+        "memlab max_batch_size: batch 100000 does not fit in 8.00M (1 estimate)",
+        "memlab max_batch_size: estimating what batch 100000 needs (estimate 2)",
+        f"memlab max_batch_size: {fit!r}".ljust(
+            len("memlab max_batch_size: estimating what batch 100000 needs (estimate 2)")
+        )
+        + "\n",
+    ]
+
+
+def test_the_search_is_quiet_when_stderr_is_not_a_terminal_or_when_asked(monkeypatch, capsys):
+    monkeypatch.delenv("MEMLAB_PROGRESS", raising=False)
+    _, _, step = problem()
+    memlab.max_batch_size(step, make_batch, "112 MiB", low=3, high=5)  # pytest's stderr: not a terminal
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    memlab.max_batch_size(step, make_batch, "112 MiB", low=3, high=5, progress=False)
+    monkeypatch.setenv("MEMLAB_PROGRESS", "0")
+    memlab.max_batch_size(step, make_batch, "112 MiB", low=3, high=5)
+    assert terminal.getvalue() == "" and capsys.readouterr().err == ""

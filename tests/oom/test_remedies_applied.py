@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import memlab
-from memlab.oom.postmortem import replay_peak, trace_events
+from memlab.oom.postmortem import NOTE_WIDTH, replay_peak, trace_events
+from memlab.oom.report import shown_path
 from memlab.oom.step import Accumulation
 from tests.oom.test_step import Net, train_step
 
@@ -143,8 +144,11 @@ def test_every_remedy_marked_fits_completes_two_steps_when_applied_right_after_t
     # the history before the failing call, replayed under expandable segments (what a restart with
     # them meets), already runs out of the capacity at a 32 MiB workspace: left out, with a note
     assert report.notes[0].startswith(
-        "expandable_segments_remedy: OutOfMemoryError: CUDA out of memory. Tried to allocate 32.00 MiB."
+        "expandable segments: not estimated: OutOfMemoryError: CUDA out of memory. Tried to allocate "
+        "32.00 MiB. GPU 0 has a total capacity of 108.00 MiB of which 28.00 MiB is free."
     )
+    assert len(report.notes[0]) == NOTE_WIDTH and report.notes[0].endswith("…")  # one line, cut
+    assert f"note: {report.notes[0]}" in report.text().splitlines()
     for remedy in report.remedies:
         if remedy.kind in ("expandable_segments", "max_split_size_mb"):
             continue  # a restart with another allocator setting: see the test below
@@ -273,3 +277,122 @@ def test_accumulation_steps_once_per_batch_and_zeroes_only_finished_steps(zero_f
     if zero_first:
         batch = ["zero_grad", "backward", "backward", "backward", "step"]
     assert calls == batch * 2
+
+
+#: A tiny Hugging Face GPT-2 built from its config: 2 layers, width 64, 4 heads, vocabulary 512,
+#: context 128; AdamW at batch 8 x 128 runs out of 36 MiB in the forward of its first step.
+HF_BATCH, HF_CONTEXT = 8, 128
+
+
+def hf_step(model, optimizer, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def _hf_failure(remedies: bool = True):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    watched = memlab.explain_oom(hf_step, stream=io.StringIO(), remedies=remedies)
+    tracker = memlab.TensorTracker(capacity=36 * MIB, history=True)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=HF_CONTEXT)
+    with tracker:
+        model = GPT2LMHeadModel(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 512, (HF_BATCH, HF_CONTEXT))
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, optimizer, ids)
+    gc.collect()
+    return memlab.oom.last_report(), tracker, (model, optimizer, ids)
+
+
+def _apply_hf(remedy, tracker, model, optimizer, ids) -> int:
+    """Two training steps of the Hugging Face model with ``remedy`` applied as a user writes it."""
+    tracker.reset_peak_memory_stats()
+    with tracker:
+        if remedy.kind == "checkpointing":
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        for _ in range(2):
+            if remedy.kind == "micro_batch":
+                micro, steps = remedy.details["micro_batch"], remedy.details["accumulation_steps"]
+                for part in ids.split(micro):
+                    (model(input_ids=part, labels=part).loss / steps).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            elif remedy.kind == "autocast_bf16":
+                with torch.autocast("cpu", torch.bfloat16):
+                    hf_step(model, optimizer, ids)
+            else:
+                hf_step(model, optimizer, ids)
+    return tracker.max_memory_reserved()
+
+
+@pytest.mark.usefixtures("without_workspaces")
+def test_a_hugging_face_model_is_checkpointed_its_own_way_and_every_remedy_holds():
+    report, _, (model, _, _) = _hf_failure()
+    lines = report.text().splitlines()
+    line = hf_step.__code__.co_firstlineno + 1
+    assert lines[:2] == [
+        f"memlab: out of memory (OutOfMemoryError) at {shown_path(__file__)}:{line} in hf_step",
+        f"  {line:>5} | loss = model(input_ids=ids, labels=ids).loss",
+    ]
+    start = lines.index("remedies (predicted peak reserved, capacity 36.00M):")
+    assert lines[start + 1 : start + 6] == [
+        "  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True                 42.00M  does not fit",
+        "  PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:1024                   40.00M  does not fit",
+        "  micro-batches of 5 (of 8), 2 accumulation steps                  36.00M  fits",
+        '  torch.autocast("cpu", torch.bfloat16) (bf16)                     36.00M  fits',
+        "  model.gradient_checkpointing_enable(), config.use_cache=False    36.00M  fits",
+    ]
+    assert not report.notes
+    checkpointing = report.remedies[-1]
+    assert checkpointing.details == {"block": "GPT2Block", "blocks": 2, "transformers": True}
+    # the estimate checkpointed a copy: the user's model is as it was
+    assert (model.is_gradient_checkpointing, model.config.use_cache) == (False, True)
+    for remedy in report.remedies[2:]:
+        _, tracker, live = _hf_failure(remedies=False)
+        assert _apply_hf(remedy, tracker, *live) == remedy.peak_reserved
+
+
+class CachingBlock(torch.nn.Module):
+    """A block whose input grows with each call (as a key-value cache grows): run again in
+    backward, as checkpointing recomputes it, it saves tensors of another shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x.repeat(1, self.calls, 1))[:, -x.shape[1] :]
+
+
+def caching_step(model, x):
+    model(x).sum().backward()
+
+
+@pytest.mark.usefixtures("without_workspaces")
+def test_a_remedy_that_cannot_apply_says_why_in_one_line():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(CachingBlock(), CachingBlock())
+    x = torch.randn(16, 256, 64)
+    with memlab.TensorTracker(capacity="3 MiB", history=True), pytest.raises(torch.OutOfMemoryError):
+        memlab.explain_oom(caching_step, stream=io.StringIO())(model, x)
+    report = memlab.oom.last_report()
+    assert "checkpointing" not in {r.kind for r in report.remedies}
+    first_line = (
+        "torch.utils.checkpoint: Recomputed values for the following tensors have different metadata "
+        "than during the forward pass."
+    )
+    assert report.notes == (f"checkpointing: not estimated: CheckpointError: {first_line}",)
+    assert report.text().splitlines()[-2] == f"note: {report.notes[0]}"
+    # the same error as checkpointing the block in a real run
+    block = CachingBlock()
+    with pytest.raises(torch.utils.checkpoint.CheckpointError) as raised:
+        checkpoint(block, torch.randn(2, 4, 64, requires_grad=True), use_reentrant=False).sum().backward()
+    assert str(raised.value).splitlines()[0] == first_line

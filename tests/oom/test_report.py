@@ -6,14 +6,17 @@ from __future__ import annotations
 import gc
 import io
 import json
+import logging
 import os
+import re
 import socket
 
 import pytest
 import torch
 
 import memlab
-from memlab.oom.report import shown_path
+from memlab.oom.names import Culprit
+from memlab.oom.report import shortened, shown_path
 
 MIB = 1 << 20
 #: The small GPUs below hold their tensors and the 32 MiB cuBLAS workspace of the H100 a tracker
@@ -215,3 +218,141 @@ def test_a_gpu_oom_swallowed_by_a_library_is_still_reported(tmp_path):
             pass
     assert watch.report.caught
     assert watch.report.device == "cuda:0"
+
+
+class Loop:
+    """A training loop as trainers write it: the model and optimizer are attributes of ``self``,
+    the step a bound method that takes only the batch (a tiny Hugging Face GPT-2 from its config)."""
+
+    def __init__(self) -> None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+        self.model = GPT2LMHeadModel(config)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def training_step(self, ids):
+        out = self.model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return out.loss.detach()
+
+
+def test_a_hugging_face_oom_names_parameters_and_outputs_and_points_at_the_users_lines(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # sized for the tensors alone
+    torch.manual_seed(0)
+    with memlab.TensorTracker(capacity=int(3.5 * MIB), history=True):
+        loop = Loop()
+        watched = memlab.explain_oom(loop.training_step, stream=io.StringIO(), remedies=False)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(torch.randint(0, 512, (2, 32)))
+    lines = memlab.oom.last_report().text().splitlines()
+    here = shown_path(__file__)
+    made = Loop.__init__.__code__.co_firstlineno + 4  # self.model = GPT2LMHeadModel(config)
+    forward = Loop.training_step.__code__.co_firstlineno + 1  # out = self.model(...)
+    # inside transformers and torch, the user's own line: the call that ran out, the allocations
+    assert lines[:2] == [
+        f"memlab: out of memory (OutOfMemoryError) at {here}:{forward + 1} in training_step",
+        f"  {forward + 1:>5} | out.loss.backward()",
+    ]
+    start = lines.index("largest live tensors:")
+    culprits = lines[start + 1 : start + 6]
+    # a tensor that only autograd holds (saved for backward) has no name of its own: numbered
+    saved = culprits.pop(2)
+    assert re.fullmatch(rf"  Tensor\d+ +activation +128\.00K  {re.escape(here)}:{forward}", saved)
+    assert culprits == [
+        f"  transformer.wte.weight+lm_head.weight parameter         128.00K  {here}:{made}",
+        f"  out.logits                            unknown           128.00K  {here}:{forward}",
+        f"  transformer.h.0.mlp.c_fc.weight       parameter          64.00K  {here}:{made}",
+        f"  transformer.h.0.mlp.c_proj.weight     parameter          64.00K  {here}:{made}",
+    ]
+
+
+def test_long_names_are_shortened_in_the_middle_keeping_what_tells_them_apart():
+    culprits = tuple(
+        Culprit(name, "optimizer_state", 128 * 1024, "(512, 64)", "float32", None)
+        for name in (
+            "AdamW.transformer.wte.weight+lm_head.weight.exp_avg",
+            "AdamW.transformer.wte.weight+lm_head.weight.exp_avg_sq",
+            "AdamW.transformer.h.11.mlp.c_proj.weight.exp_avg_sq",
+            "weight",
+        )
+    )
+    report = memlab.oom.OOMReport("OutOfMemoryError", "", None, culprits=culprits)
+    assert report.text().splitlines()[1:] == [
+        "  ",
+        "  (no allocator state was captured for this error)",
+        "largest live tensors:",
+        "  AdamW.transform…te.weight+lm_head.weight.exp_avg optimizer_state   128.00K",
+        "  AdamW.transform…weight+lm_head.weight.exp_avg_sq optimizer_state   128.00K",
+        "  AdamW.transform….11.mlp.c_proj.weight.exp_avg_sq optimizer_state   128.00K",
+        "  weight                                           optimizer_state   128.00K",
+    ]
+    assert shortened("transformer.h.0.attn", 32) == "transformer.h.0.attn"
+    assert shortened("abcdefghij", 7) == "ab…ghij"
+
+
+def hf_step(model, optimizer, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell_it_apart(monkeypatch):
+    """AdamW's first step on a tiny GPT-2 (its embedding tied to its head) runs out of memory while
+    making the moments: the two moments of the tied weight differ only at the end of their names."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    torch.manual_seed(0)
+    watched = memlab.explain_oom(hf_step, stream=io.StringIO(), remedies=False)
+    with memlab.TensorTracker(capacity=3968 * 1024, history=True):
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+        model = GPT2LMHeadModel(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        with pytest.raises(torch.OutOfMemoryError):
+            watched(model, optimizer, torch.randint(0, 512, (1, 8)))
+    lines = memlab.oom.last_report().text().splitlines()
+    here, first = shown_path(__file__), hf_step.__code__.co_firstlineno
+    made = test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell_it_apart
+    made = made.__code__.co_firstlineno + 10  # model = GPT2LMHeadModel(config)
+    assert lines[:2] == [
+        f"memlab: out of memory (OutOfMemoryError) at {here}:{first + 3} in hf_step",
+        f"  {first + 3:>5} | optimizer.step()",
+    ]
+    start = lines.index("largest live tensors:")
+    assert lines[start + 1 : start + 6] == [
+        f"  transformer.wte.weight+lm_head.weight            parameter         128.00K  {here}:{made}",
+        f"  transformer.wte.weight+lm_head.weight.grad       gradient          128.00K  {here}:{first + 2}",
+        f"  AdamW.transform…te.weight+lm_head.weight.exp_avg optimizer_state   128.00K  {here}:{first + 3}",
+        f"  AdamW.transform…weight+lm_head.weight.exp_avg_sq optimizer_state   128.00K  {here}:{first + 3}",
+        f"  transformer.h.0.mlp.c_fc.weight                  parameter          64.00K  {here}:{made}",
+    ]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_remedies_being_estimated_are_shown(monkeypatch, caplog):
+    monkeypatch.delenv("MEMLAB_PROGRESS", raising=False)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    caplog.set_level(logging.INFO, logger="memlab")
+    report = _report()
+    names = ["expandable segments", "max split size", "free held", "micro batch", "bf16 autocast"]
+    names += ["fp16 autocast", "checkpointing"]
+    lines = [f"memlab explain_oom: estimating {name} ({i} of 7)" for i, name in enumerate(names, 1)]
+    lines.append(f"memlab explain_oom: {len(report.remedies)} remedies estimated of 7 tried")
+    widths = [0, *(len(line) for line in lines)]
+    # each line rewrites the one before, spaces over what is left of it
+    assert (
+        terminal.getvalue()
+        == "".join("\r" + line.ljust(width) for line, width in zip(lines, widths, strict=False)) + "\n"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "memlab"] == [
+        "explain_oom: 2 remedies estimated of 7 tried"
+    ]

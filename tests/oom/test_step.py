@@ -121,7 +121,7 @@ def test_the_bf16_and_checkpointing_remedies_are_two_steps_estimated_from_the_st
     remedies = {r.kind: r for r in report.remedies}
     assert remedies["autocast_bf16"].action == 'torch.autocast("cpu", torch.bfloat16) (bf16)'
     assert [r.kind for r in report.remedies if r.kind.startswith("autocast")] == ["autocast_bf16"]
-    assert remedies["checkpointing"].details == {"block": "Block", "blocks": 4}
+    assert remedies["checkpointing"].details == {"block": "Block", "blocks": 4, "transformers": False}
     assert remedies["checkpointing"].action == "activation checkpointing of the 4 Block blocks"
     # neither fits; what each would need, from that state and without a limit
     assert (remedies["autocast_bf16"].peak_reserved, remedies["autocast_bf16"].fits) == (266 * MIB, False)
