@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,23 +113,25 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _wrap(model: torch.nn.Module, recipe: ModelRecipe, setup: TrainingSetup) -> torch.nn.Module:
+def _wrap(model: torch.nn.Module, recipe: ModelRecipe, setup: TrainingSetup, mesh: Any) -> torch.nn.Module:
     if setup.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
+        # init_sync off: checking and broadcasting the ranks' parameters reads their data; the
+        # estimate's copier wraps a copy again, its reducer's buckets counted (estimate.sharded).
+        return DistributedDataParallel(model, init_sync=False)
     if setup.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         for module in list(model.modules()):
             if module is not model and type(module).__name__ in recipe.layer_classes:
-                fully_shard(module)
-        return fully_shard(model)
+                fully_shard(module, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     return model
 
 
 def _arguments(
-    recipe: ModelRecipe, setup: TrainingSetup, batch_size: int, counted: ParameterCount
+    recipe: ModelRecipe, setup: TrainingSetup, batch_size: int, counted: ParameterCount, mesh: Any
 ) -> Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]:
     def make() -> tuple[tuple[Any, ...], dict[str, Any]]:
         with torch.device(_device()):
@@ -136,7 +139,7 @@ def _arguments(
             counted.count(model)
             if setup.gradient_checkpointing:
                 recipe.enable_checkpointing(model)
-            model = _wrap(model, recipe, setup)
+            model = _wrap(model, recipe, setup, mesh)
             optimizer = OPTIMIZERS[setup.optimizer](model.parameters())
             batch = recipe.batch(batch_size, setup.seq_len, setup.dtype)
         return (model, optimizer, batch), {}
@@ -145,21 +148,35 @@ def _arguments(
 
 
 @contextlib.contextmanager
-def _job(recipe: ModelRecipe, setup: TrainingSetup) -> Iterator[None]:
+def _job(recipe: ModelRecipe, setup: TrainingSetup) -> Iterator[Any]:
     """The context the estimates run in: the library's warnings off, and for a sharded job a
-    :func:`~memlab.distributed.fake_group` of ``setup.world_size`` ranks."""
-    with recipe.quiet():
+    :func:`~memlab.distributed.fake_group` of ``setup.world_size`` ranks. Yields the device mesh
+    FSDP2 shards over (``None`` without FSDP), made here, outside the estimate's fake mode, since
+    a mesh reads its tensor of ranks."""
+    with recipe.quiet(), warnings.catch_warnings():
+        # copy.deepcopy of FSDP2's modules asks each fake tensor for its data pointer; harmless
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         if setup.parallel is None:
-            yield
+            yield None
             return
         from memlab.distributed import fake_group
 
         with fake_group(setup.world_size):
-            yield
+            if setup.parallel != "fsdp":
+                yield None
+                return
+            from torch.distributed.device_mesh import init_device_mesh
+
+            yield init_device_mesh(_device().type, (setup.world_size,))
 
 
 def _estimate(
-    recipe: ModelRecipe, setup: TrainingSetup, batch_size: int, capacity: int | None, counted: ParameterCount
+    recipe: ModelRecipe,
+    setup: TrainingSetup,
+    batch_size: int,
+    capacity: int | None,
+    counted: ParameterCount,
+    mesh: Any,
 ) -> Estimate:
     step = functools.partial(
         training_step, autocast=setup.autocast, own_loss=recipe.library == "transformers"
@@ -167,7 +184,7 @@ def _estimate(
     functools.update_wrapper(step, training_step)
     return run_estimate(
         step,
-        _arguments(recipe, setup, batch_size, counted),
+        _arguments(recipe, setup, batch_size, counted, mesh),
         torch.device("cuda"),
         steps=setup.steps,
         capacity=capacity,
@@ -182,8 +199,8 @@ def estimate_training(recipe: ModelRecipe, setup: TrainingSetup) -> tuple[Estima
     allocated: the model, optimizer and batch are fake tensors from the start. What it cannot see
     is what an estimate cannot (:data:`memlab.estimate.result.CANNOT_SEE`)."""
     counted = ParameterCount()
-    with _job(recipe, setup):
-        return _estimate(recipe, setup, setup.batch_size, None, counted), counted
+    with _job(recipe, setup) as mesh:
+        return _estimate(recipe, setup, setup.batch_size, None, counted, mesh), counted
 
 
 def largest_batch(
@@ -199,11 +216,11 @@ def largest_batch(
     def fits(size: int) -> bool:
         if size not in found:
             found[size] = fitting_estimate(
-                lambda capacity: _estimate(recipe, setup, size, capacity, counted), budget
+                lambda capacity: _estimate(recipe, setup, size, capacity, counted, mesh), budget
             )
         return found[size] is not None
 
-    with _job(recipe, setup):
+    with _job(recipe, setup) as mesh:
         good, bad = search(fits, 1, high)
-        needs = None if bad is None else _estimate(recipe, setup, bad, None, counted)
+        needs = None if bad is None else _estimate(recipe, setup, bad, None, counted, mesh)
     return BatchFit(good, found.get(good), needs, len(found) + (bad is not None), budget, 0, setup.steps, bad)
