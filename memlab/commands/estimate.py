@@ -273,7 +273,7 @@ def _text(answer: dict[str, Any]) -> str:
     for key, name in _SHOWN.items():
         lines.append(f"  {name:<18}{format_size(by_category[key]):>10}")
     other = sum(v for k, v in by_category.items() if k not in _SHOWN)
-    lines.append(f"  {'other':<18}{format_size(other):>10}  (inputs, buffers)")
+    lines.append(f"  {'other':<18}{format_size(other):>10}  (inputs, buffers, unknown)")
     lines.append("closed-form numbers (model states only):")
     for key, value in answer["formulas"].items():
         lines.append(f"  {format_size(value):>10}  {answer['formula_labels'][key]}")
