@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from memlab._gpus import GPUS, resolve_gpu
-from memlab._units import format_size
+from memlab._gpus import GPU, GPUS, resolve_gpu
+from memlab._units import format_size, parse_size
 from memlab.commands._command import CommandError
 from memlab.history import categories
 
@@ -126,6 +126,12 @@ class EstimateCommand:
             help="training steps in a row; 2 shows the steady state (default 1)",
         )
         parser.add_argument(
+            "--budget",
+            metavar="SIZE",
+            help="the memory the step may use, such as '40 GiB' or '80GB' (default: the GPU's memory less "
+            "512 MiB for the CUDA context)",
+        )
+        parser.add_argument(
             "--max-batch-size",
             action="store_true",
             help="also search the largest batch size whose steps fit on the GPU",
@@ -143,11 +149,14 @@ class EstimateCommand:
             raise CommandError(
                 f"--world-size {args.world_size} needs --fsdp or --ddp (how the ranks share the model)"
             )
-        budget = gpu.default_budget() if gpu.total_memory is not None else None
+        try:
+            budget = _budget(args.budget, gpu)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
         if args.max_batch_size and budget is None:
             raise CommandError(
-                f"--max-batch-size needs the GPU's memory; --gpu {args.gpu} gives only a compute "
-                f"capability: name a GPU ({', '.join(GPUS)})"
+                f"--max-batch-size needs a budget: --gpu {args.gpu} gives only a compute capability; "
+                f"name a GPU ({', '.join(GPUS)}) or pass --budget"
             )
         from memlab.integrations.models import model_recipe
         from memlab.integrations.training import TrainingSetup, estimate_training, largest_batch
@@ -188,6 +197,14 @@ class EstimateCommand:
         return 0
 
 
+def _budget(text: str | None, gpu: GPU) -> int | None:
+    """``--budget`` in bytes; without it the GPU's memory less the CUDA context's allowance
+    (``None`` for a GPU known only by its compute capability)."""
+    if text is not None:
+        return parse_size(text, name="--budget")
+    return gpu.default_budget() if gpu.total_memory is not None else None
+
+
 def _answer(
     args: Any, recipe: Any, setup: Any, estimate: Any, counted: Any, budget: int | None, fit: Any
 ) -> dict[str, Any]:
@@ -218,6 +235,7 @@ def _answer(
         "peak_reserved": estimate.peak_reserved,
         "by_category": by_category,
         "budget": budget,
+        "budget_given": args.budget is not None,
         "fits": None if budget is None else estimate.fits(budget),
         "formulas": {form.key: form.bytes for form in forms},
         "formula_labels": {form.key: form.label for form in forms},
@@ -261,13 +279,11 @@ def _text(answer: dict[str, Any]) -> str:
         f"reserved {format_size(answer['peak_reserved'])}",
     ]
     if answer["budget"] is None:
-        lines.append(f"fits: unknown ({answer['gpu']} has no known memory size)")
+        lines.append(f"fits: unknown ({answer['gpu']} has no known memory size; pass --budget)")
     else:
         verdict = "fits" if answer["fits"] else "does NOT fit"
-        lines.append(
-            f"{verdict} on {answer['gpu']} ({format_size(answer['budget'])} usable: its memory less "
-            "512 MiB for the CUDA context)"
-        )
+        whose = "--budget" if answer["budget_given"] else "its memory less 512 MiB for the CUDA context"
+        lines.append(f"{verdict} on {answer['gpu']} ({format_size(answer['budget'])} usable: {whose})")
     lines.append("at the peak of allocated bytes:")
     by_category = answer["by_category"]
     for key, name in _SHOWN.items():

@@ -175,7 +175,9 @@ def _transformers_recipe(source: str) -> ModelRecipe:
         from transformers.modeling_utils import no_init_weights
 
         with _quiet_transformers(), no_init_weights():
-            return model_class._from_config(config, dtype=dtype)
+            model = model_class._from_config(config, dtype=dtype)
+        model.tie_weights()  # skipped with the initialisation; from_pretrained ties them after loading
+        return model
 
     image_size = getattr(config, "image_size", 224)
     side = image_size if isinstance(image_size, int) else image_size[0]
