@@ -75,6 +75,7 @@ def child(argv: list[str]) -> None:
     peak resident set in bytes on stderr."""
     import resource
 
+    sys.path.insert(0, str(ROOT))  # this checkout's memlab, not an installed one
     try:
         if argv[0] == "floor":
             sys.argv = ["floor", argv[1]]
@@ -92,6 +93,7 @@ def child(argv: list[str]) -> None:
 
 def profile(config: str) -> None:
     """cProfile of the whole command for ``config`` in this process: where the time goes."""
+    sys.path.insert(0, str(ROOT))
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()

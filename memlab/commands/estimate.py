@@ -172,8 +172,6 @@ class EstimateCommand:
             raise CommandError(
                 f"--seq-len {seq_len}: the model takes at most {recipe.max_length} tokens (its config)"
             )
-        if args.fsdp and not recipe.layer_classes:
-            raise CommandError(f"--fsdp: {args.model} names no repeated blocks to shard one by one")
         setup = TrainingSetup(
             batch_size=args.batch_size,
             seq_len=seq_len,

@@ -159,17 +159,14 @@ def _transformers_recipe(source: str) -> ModelRecipe:
             raise ValueError(
                 f"{path}: transformers {transformers.__version__} cannot read it: {first}"
             ) from None
-    for task, auto_name, inputs in TASKS:  # noqa: B007 (the task found is used after the loop)
-        auto = getattr(transformers, auto_name)
-        if type(config) in auto._model_mapping:
-            model_class = auto._model_mapping[type(config)]
-            break
-    else:
+    found = _model_class(transformers, config)
+    if found is None:
         tasks = ", ".join(task for task, _, _ in TASKS)
         raise ValueError(
             f"{path}: a {config.model_type} config, which none of the training tasks memlab builds "
             f"takes ({tasks})"
         )
+    task, inputs, model_class = found
 
     def build(dtype: torch.dtype) -> torch.nn.Module:
         from transformers.modeling_utils import no_init_weights
@@ -193,6 +190,21 @@ def _transformers_recipe(source: str) -> ModelRecipe:
         _build=build,
         layer_classes=tuple(getattr(model_class, "_no_split_modules", None) or ()),
     )
+
+
+def _model_class(transformers: Any, config: Any) -> tuple[str, str, type] | None:
+    """``(task, inputs, model class)`` for ``config``: the class its ``architectures`` names where a
+    task of :data:`TASKS` builds it (``BertForMaskedLM``), else the first task that takes the config."""
+    candidates = []
+    for task, auto_name, inputs in TASKS:
+        mapping = getattr(transformers, auto_name)._model_mapping
+        if type(config) in mapping:
+            candidates.append((task, inputs, mapping[type(config)]))
+    named = set(getattr(config, "architectures", None) or ())
+    for candidate in candidates:
+        if candidate[2].__name__ in named:
+            return candidate
+    return candidates[0] if candidates else None
 
 
 def _max_length(config: Any) -> int | None:

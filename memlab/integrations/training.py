@@ -123,11 +123,19 @@ def _wrap(model: torch.nn.Module, recipe: ModelRecipe, setup: TrainingSetup, mes
     if setup.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for module in list(model.modules()):
-            if module is not model and type(module).__name__ in recipe.layer_classes:
-                fully_shard(module, mesh=mesh)
+        for module in _blocks(model, recipe.layer_classes):
+            fully_shard(module, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     return model
+
+
+def _blocks(model: torch.nn.Module, layer_classes: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: the modules of the classes the library names
+    (``layer_classes``), else the entries of the model's ``ModuleList``s (``model.layers``,
+    ``encoder.layer``: where models keep their blocks)."""
+    if layer_classes:
+        return [m for m in model.modules() if m is not model and type(m).__name__ in layer_classes]
+    return [m for holder in model.modules() if isinstance(holder, torch.nn.ModuleList) for m in holder]
 
 
 def _arguments(
@@ -156,6 +164,9 @@ def _job(recipe: ModelRecipe, setup: TrainingSetup) -> Iterator[Any]:
     with recipe.quiet(), warnings.catch_warnings():
         # copy.deepcopy of FSDP2's modules asks each fake tensor for its data pointer; harmless
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        # FSDP2's advice on blocks that return views (in-place ops on them skip its hooks): the
+        # model's own code, which a memory estimate neither changes nor needs
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         if setup.parallel is None:
             yield None
             return

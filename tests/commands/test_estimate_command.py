@@ -165,6 +165,31 @@ def test_gradient_checkpointing_equals_the_models_own_switch(capsys: pytest.Capt
     same_numbers(answer, estimate)
 
 
+def test_a_bert_config_builds_the_architecture_it_names(capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(CONFIGS / "bert-tiny")
+    answer = cli_json(capsys, folder, "--seq-len", "32", "--batch-size", "2")
+    assert (answer["model_class"], answer["task"]) == ("BertForMaskedLM", "masked-lm")
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(transformers.AutoConfig.from_pretrained(folder))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    same_numbers(answer, memlab.estimate(step, model, optimizer, tokens(2, 32), gpu="H100"))
+
+
+def test_a_vit_config_trains_on_images(capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(CONFIGS / "vit-tiny")
+    answer = cli_json(capsys, folder, "--batch-size", "4", "--autocast", "bf16")
+    assert (answer["model_class"], answer["task"], answer["seq_len"]) == (
+        "ViTForImageClassification",
+        "image-classification",
+        None,
+    )
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.AutoConfig.from_pretrained(folder))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 10, (4,))}
+    same_numbers(answer, memlab.estimate(autocast_step, model, optimizer, batch, gpu="H100"))
+
+
 def test_max_batch_size_equals_memlab_max_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
     answer = cli_json(capsys, GPT2, "--seq-len", "32", "--budget", "70 MiB", "--max-batch-size")
     model = real_model(GPT2)
