@@ -94,20 +94,22 @@ def closed_forms(
 
 
 def why_they_differ(
-    by_category: dict[str, int], peak_allocated: int, peak_reserved: int, foreach: bool
+    by_category: dict[str, int], peak_allocated: int, peak_reserved: int, foreach: bool, sharded: bool
 ) -> str:
     """One sentence: what memlab's peak holds that the formulas do not count, from the estimate's
     bytes per category at its peak (``by_category``) and its peaks. ``foreach``: the optimizer
-    ran PyTorch's foreach kernels (CUDA's default), whose step makes a temporary of the
-    parameters' size."""
+    ran PyTorch's foreach kernels (CUDA's default), whose step makes intermediate results of the
+    parameters' size; ``sharded``: FSDP, whose all-gathered parameters and unsharded gradients
+    live for a layer's forward or backward."""
     temporary = by_category.get("temporary", 0)
     parts = []
     if temporary:
-        what = (
-            "the foreach optimizer step's intermediate copy of the parameters"
-            if foreach
-            else "intermediate results"
-        )
+        causes = []
+        if sharded:
+            causes.append("FSDP's all-gathered parameters and unsharded gradients")
+        if foreach:
+            causes.append("the foreach optimizer step's intermediate results, the size of the parameters")
+        what = " or ".join(causes) if causes else "intermediate results"
         parts.append(f"{format_size(temporary)} of temporaries ({what})")
     for key, name in (("activation", "activations"), ("workspace", "cuBLAS workspaces")):
         if by_category.get(key, 0):
