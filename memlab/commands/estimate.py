@@ -238,7 +238,7 @@ def _answer(
         "formulas": {form.key: form.bytes for form in forms},
         "formula_labels": {form.key: form.label for form in forms},
         "why_they_differ": why_they_differ(
-            by_category, estimate.peak_allocated, estimate.peak_reserved, foreach
+            by_category, estimate.peak_allocated, estimate.peak_reserved, foreach, setup.parallel == "fsdp"
         ),
         "method": estimate.method,
         "caveats": list(estimate.caveats),
