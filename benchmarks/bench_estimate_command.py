@@ -56,9 +56,10 @@ with FakeTensorMode(allow_non_fake_inputs=True):
 """
 
 
-def run_child(argv: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, peak resident bytes and stdout of ``argv`` run through this script's
-    ``--child`` mode (which reports its own ``ru_maxrss`` on stderr's last line)."""
+def run_child(argv: list[str]) -> tuple[float, float, int, str]:
+    """Wall seconds, CPU seconds, peak resident bytes and stdout of ``argv`` run through this
+    script's ``--child`` mode (which reports its own CPU time and ``ru_maxrss`` on stderr's last
+    line). CPU seconds say what the run costs when other processes share the machine's cores."""
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, __file__, "--child", *argv], capture_output=True, text=True, cwd=ROOT, check=False
@@ -66,13 +67,13 @@ def run_child(argv: list[str]) -> tuple[float, int, str]:
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
-    rss = int(done.stderr.strip().splitlines()[-1])
-    return seconds, rss, done.stdout
+    cpu, rss = done.stderr.strip().splitlines()[-1].split()
+    return seconds, float(cpu), int(rss), done.stdout
 
 
 def child(argv: list[str]) -> None:
-    """Run ``python -m memlab ...`` or the floor in this process (``--child``), then print the
-    peak resident set in bytes on stderr."""
+    """Run ``python -m memlab ...`` or the floor in this process (``--child``), then print its CPU
+    seconds and peak resident set in bytes on stderr."""
     import resource
 
     sys.path.insert(0, str(ROOT))  # this checkout's memlab, not an installed one
@@ -88,7 +89,8 @@ def child(argv: list[str]) -> None:
                 sys.exit(status)
     finally:
         sys.stdout.flush()
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        print(f"{usage.ru_utime + usage.ru_stime} {usage.ru_maxrss * 1024}", file=sys.stderr)
 
 
 def profile(config: str) -> None:
@@ -123,22 +125,22 @@ def main() -> None:
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs")
-    print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     print("one AdamW step, 1 x 2048 tokens, float32 weights, bf16 autocast, H100; fresh process each")
     print(
-        "config | params | command s | command host GiB | floor s | floor host GiB | peak allocated GiB | "
-        "peak reserved GiB | params x 16 B GiB | accelerate GiB | ZeRO-3 GiB"
+        "config | params | command s (CPU s) | command host GiB | floor s (CPU s) | floor host GiB | "
+        "peak allocated GiB | peak reserved GiB | params x 16 B GiB | accelerate GiB | ZeRO-3 GiB"
     )
     for config in arguments.configs:
         path = str(CONFIGS / config)
-        seconds, rss, out = run_child(["estimate", path, *COMMAND])
+        seconds, cpu, rss, out = run_child(["estimate", path, *COMMAND])
         answer = json.loads(out)
-        floor_s, floor_rss, _ = run_child(["floor", path])
+        floor_s, floor_cpu, floor_rss, _ = run_child(["floor", path])
         forms = answer["formulas"]
         print(
-            f"{config} | {answer['parameters'] / 1e9:.2f}B | {seconds:.1f} | {rss / GiB:.2f} | "
-            f"{floor_s:.1f} | {floor_rss / GiB:.2f} | {answer['peak_allocated'] / GiB:.1f} | "
-            f"{answer['peak_reserved'] / GiB:.1f} | "
+            f"{config} | {answer['parameters'] / 1e9:.2f}B | {seconds:.1f} ({cpu:.1f}) | {rss / GiB:.2f} | "
+            f"{floor_s:.1f} ({floor_cpu:.1f}) | {floor_rss / GiB:.2f} | "
+            f"{answer['peak_allocated'] / GiB:.1f} | {answer['peak_reserved'] / GiB:.1f} | "
             f"{forms['model_states'] / GiB:.1f} | {forms['accelerate'] / GiB:.1f} | "
             f"{forms['deepspeed_zero3'] / GiB:.1f}",
             flush=True,
@@ -146,13 +148,16 @@ def main() -> None:
     if arguments.max_batch_size:
         path = str(CONFIGS / "llama-3-8b")
         argv = ["estimate", path, *COMMAND, "--dtype", "bfloat16", "--max-batch-size", "--gpu", "H200"]
-        seconds, rss, out = run_child(argv)
+        seconds, cpu, rss, out = run_child(argv)
         answer = json.loads(out)
         print(
             f"llama-3-8b, bfloat16 weights, --max-batch-size on an H200: {answer['max_batch_size']} "
-            f"({answer['max_batch_size_estimates']} estimates), {seconds:.1f} s, {rss / GiB:.2f} GiB host",
+            f"({answer['max_batch_size_estimates']} estimates), {seconds:.1f} s ({cpu:.1f} CPU s), "
+            f"{rss / GiB:.2f} GiB host",
             flush=True,
         )
+
+    print(f"uptime after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 
 if __name__ == "__main__":
