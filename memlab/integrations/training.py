@@ -200,6 +200,7 @@ def _estimate(
         steps=setup.steps,
         capacity=capacity,
         gpu=setup.gpu,
+        stacks=False,  # the command prints no snapshot: peaks and categories need no stacks
     )
 
 
