@@ -9,10 +9,11 @@ under it): every tensor they create is then fake from the start, so a 70B model 
 memory of a few hundred MiB, and the estimate's copier takes those tensors as they are (a fake
 tensor of its own mode is data-free already).
 
-Why not the ``meta`` device (``with torch.device("meta")``, or accelerate's ``init_empty_weights``):
-a step on ``meta`` tensors under ``torch.autocast`` needs ``torch.autocast("meta")``, which PyTorch
-refuses (``unsupported scalarType``), and a model on ``meta`` mixed with inputs made elsewhere
-fails on the device check. Fake tensors made under the estimate's mode stand for CPU tensors, so
+Why not the ``meta`` device (``with torch.device("meta")``, accelerate's ``init_empty_weights``): a
+Hugging Face Llama's rotary embedding enters ``torch.autocast(device_type=x.device.type,
+enabled=False)`` itself, which on ``meta`` tensors is ``torch.autocast("meta")``, and PyTorch 2.13
+raises ``unsupported scalarType`` there, with or without the user's own autocast. Fake tensors
+made under the estimate's mode stand for CPU tensors, so that region is a CPU autocast region,
 ``torch.autocast("cuda")`` in the step is modelled by :mod:`memlab.estimate.autocast` and CUDA's
 kernel choices by :mod:`memlab.estimate.kernels`, as for any user's step. Weight initialisation is
 skipped (Hugging Face's ``no_init_weights``: ``torch.nn.init`` made a no-op, ``_init_weights``
@@ -55,7 +56,8 @@ class ModelRecipe:
     for torchvision and timm). ``inputs``: ``"tokens"`` or ``"images"``. ``max_length``: the longest
     sequence the model takes (``None`` for images). ``layer_classes``: the class names of the
     model's repeated blocks (Hugging Face's ``_no_split_modules``: ``LlamaDecoderLayer``), which
-    FSDP2 shards one by one; empty when the library does not name them.
+    FSDP2 shards one by one; empty when the library does not name them (``memlab estimate --fsdp``
+    then shards the entries of the model's ``ModuleList``s).
     """
 
     name: str
