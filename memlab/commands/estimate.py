@@ -73,12 +73,14 @@ class EstimateCommand:
         )
         parser.add_argument(
             "--batch-size",
+            metavar="N",
             type=_count(1),
             default=1,
             help="sequences (or images) per step and rank (default 1)",
         )
         parser.add_argument(
             "--seq-len",
+            metavar="N",
             type=_count(1),
             help="tokens per sequence (default: the model's longest, from its config)",
         )
@@ -111,6 +113,7 @@ class EstimateCommand:
         )
         parser.add_argument(
             "--world-size",
+            metavar="N",
             type=_count(1),
             default=1,
             help="ranks of the job, with --fsdp or --ddp; the estimate is one rank's (default 1)",
@@ -122,6 +125,7 @@ class EstimateCommand:
         parallel.add_argument("--ddp", action="store_true", help="DistributedDataParallel")
         parser.add_argument(
             "--steps",
+            metavar="N",
             type=_count(1),
             default=1,
             help="training steps in a row; 2 shows the steady state (default 1)",
