@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from memlab._gpus import DEFAULT_GPU, GPU
+from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, fitting_estimate, search
 from memlab.integrations.models import ModelRecipe
@@ -42,7 +43,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
 }
-PARALLEL = ("fsdp", "ddp")
+_PARALLEL = (None, "fsdp", "ddp")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,16 @@ class TrainingSetup:
     steps: int = 1
     gpu: GPU = DEFAULT_GPU
 
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "world_size", "steps"):
+            check_count(getattr(self, name), name, 1)
+        if self.seq_len is not None:
+            check_count(self.seq_len, "seq_len", 1)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
+        if self.parallel not in _PARALLEL:
+            raise ValueError(f"parallel must be None, 'fsdp' or 'ddp'; got {self.parallel!r}")
+
 
 @dataclass
 class ParameterCount:
@@ -76,6 +87,7 @@ class ParameterCount:
     counted: bool = field(default=False, repr=False)
 
     def count(self, model: torch.nn.Module) -> None:
+        """Count ``model``'s parameters, once (later calls, for other batch sizes, keep the first)."""
         if self.counted:
             return
         self.total = sum({id(p): p.numel() for p in model.parameters()}.values())
