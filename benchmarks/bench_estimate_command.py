@@ -14,7 +14,8 @@ For each config, in fresh processes (so that time and host memory are that run's
 ``--max-batch-size`` adds the 8B's batch search (``--max-batch-size``, the same step with bfloat16
 weights on an H200, where a float32 AdamW step of 8B parameters does not fit at any batch).
 
-Run: ``python benchmarks/bench_estimate_command.py`` (``--configs llama-3-8b`` to pick,
+Run: ``python benchmarks/bench_estimate_command.py`` (``--configs llama-3-8b`` to pick, ``--repeat 3``
+for the least time of three runs,
 ``--max-batch-size`` for the search, ``--profile CONFIG`` for a cProfile of the command's phases).
 Needs ``transformers``.
 """
@@ -71,6 +72,13 @@ def run_child(argv: list[str]) -> tuple[float, float, int, str]:
     return seconds, float(cpu), int(rss), done.stdout
 
 
+def best(argv: list[str], repeat: int) -> tuple[float, float, int, str]:
+    """:func:`run_child` ``repeat`` times: the least wall and CPU seconds (other processes only
+    ever add time), the largest resident set, the last output."""
+    runs = [run_child(argv) for _ in range(repeat)]
+    return min(r[0] for r in runs), min(r[1] for r in runs), max(r[2] for r in runs), runs[-1][3]
+
+
 def child(argv: list[str]) -> None:
     """Run ``python -m memlab ...`` or the floor in this process (``--child``), then print its CPU
     seconds and peak resident set in bytes on stderr."""
@@ -112,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["llama-3.2-1b", "llama-3-8b", "llama-3-70b"])
     parser.add_argument("--max-batch-size", action="store_true", help="also time the 8B's batch search")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each; the least time is shown")
     parser.add_argument("--profile", metavar="CONFIG", help="print a cProfile of the command for CONFIG")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
@@ -126,16 +135,19 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {os.cpu_count()} CPUs")
     print(f"uptime before: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    print("one AdamW step, 1 x 2048 tokens, float32 weights, bf16 autocast, H100; fresh process each")
+    print(
+        "one AdamW step, 1 x 2048 tokens, float32 weights, bf16 autocast, H100; fresh process each, "
+        f"least of {arguments.repeat} run(s)"
+    )
     print(
         "config | params | command s (CPU s) | command host GiB | floor s (CPU s) | floor host GiB | "
         "peak allocated GiB | peak reserved GiB | params x 16 B GiB | accelerate GiB | ZeRO-3 GiB"
     )
     for config in arguments.configs:
         path = str(CONFIGS / config)
-        seconds, cpu, rss, out = run_child(["estimate", path, *COMMAND])
+        seconds, cpu, rss, out = best(["estimate", path, *COMMAND], arguments.repeat)
         answer = json.loads(out)
-        floor_s, floor_cpu, floor_rss, _ = run_child(["floor", path])
+        floor_s, floor_cpu, floor_rss, _ = best(["floor", path], arguments.repeat)
         forms = answer["formulas"]
         print(
             f"{config} | {answer['parameters'] / 1e9:.2f}B | {seconds:.1f} ({cpu:.1f}) | {rss / GiB:.2f} | "
