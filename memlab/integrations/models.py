@@ -151,7 +151,12 @@ def _config_file(source: str) -> str:
 
 def _transformers_recipe(source: str) -> ModelRecipe:
     path = _config_file(source)
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            f"{path}: building a model from a config needs transformers (pip install transformers)"
+        ) from None
 
     with _quiet_transformers():
         try:
