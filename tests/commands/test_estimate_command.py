@@ -9,6 +9,7 @@ tensors). Bad inputs are one line on stderr, exit status 2, naming what is valid
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,16 @@ def test_a_model_name_without_torchvision_or_timm(
         "memlab estimate: error: resnet50: no such file or folder, and it cannot be a torchvision or timm "
         "model name (torchvision.models.get_model, timm.create_model): neither is installed (pip install "
         "torchvision, or pip install timm); or name a config.json or a folder holding one"
+    )
+
+
+def test_a_config_without_transformers_installed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers then raises ImportError
+    assert cli_error(capsys, GPT2) == (
+        f"memlab estimate: error: {GPT2}/config.json: building a model from a config needs transformers "
+        "(pip install transformers)"
     )
 
 
