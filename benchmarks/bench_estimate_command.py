@@ -3,9 +3,11 @@ Llama-style 1B, 8B and 70B configs (``tests/data/configs/``), beside the floor a
 
 For each config, in fresh processes (so that time and host memory are that run's alone):
 
-- the command: ``python -m memlab estimate CONFIG --seq-len 2048 --autocast bf16 --json`` (one AdamW
-  step at 1 x 2048 tokens, float32 weights, bf16 autocast, an H100 modelled): wall seconds from
-  the process's start to its exit, and its peak resident set (``ru_maxrss`` of the child);
+- the command: ``memlab estimate CONFIG --seq-len 2048 --autocast bf16 --json`` (one AdamW step at
+  1 x 2048 tokens, float32 weights, bf16 autocast, an H100 modelled), run by ``memlab.cli.main`` in
+  a fresh interpreter as ``python -m memlab`` runs it: wall seconds from the interpreter's start to
+  its exit, CPU seconds (user + system: what the run costs when other processes share the cores),
+  and its peak resident set (``ru_maxrss``);
 - the floor: the same step, the model built the same way (``no_init_weights``) under a bare
   ``FakeTensorMode``, with no tracker, no copies, no allocator model: what any data-free run of
   this step costs (imports included);
@@ -15,8 +17,8 @@ For each config, in fresh processes (so that time and host memory are that run's
 weights on an H200, where a float32 AdamW step of 8B parameters does not fit at any batch).
 
 Run: ``python benchmarks/bench_estimate_command.py`` (``--configs llama-3-8b`` to pick, ``--repeat 3``
-for the least time of three runs,
-``--max-batch-size`` for the search, ``--profile CONFIG`` for a cProfile of the command's phases).
+for the least time of three runs, ``--max-batch-size`` for the search, ``--profile CONFIG`` for a
+cProfile of the command).
 Needs ``transformers``.
 """
 

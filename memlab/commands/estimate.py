@@ -10,7 +10,6 @@ numbers users know (:mod:`memlab.integrations.formulas`), as text or as one JSON
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from typing import Any
@@ -189,18 +188,11 @@ class EstimateCommand:
             steps=args.steps,
             gpu=gpu,
         )
-        # The objects the imports made (torch's and transformers': hundreds of thousands) are left
-        # out of the garbage collector's full collections while the estimates run: each would scan
-        # them all again (0.5-0.7 s of an 8B model's 5 s; bench_estimate_command.py). Garbage the
-        # estimates make is collected as before; the objects are handed back afterwards.
-        gc.freeze()
         try:
             estimate, counted = estimate_training(recipe, setup)
             fit = largest_batch(recipe, setup, budget) if args.max_batch_size else None
         except ValueError as error:  # a model that cannot train as asked (no checkpointing switch)
             raise CommandError(str(error)) from None
-        finally:
-            gc.unfreeze()
         answer = _answer(args, recipe, setup, estimate, counted, budget, fit)
         sys.stdout.write(json.dumps(answer) + "\n" if args.json else _text(answer))
         sys.stdout.flush()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -162,6 +163,7 @@ def _arguments(
             model = _wrap(model, recipe, setup, mesh)
             optimizer = OPTIMIZERS[setup.optimizer](model.parameters())
             batch = recipe.batch(batch_size, setup.seq_len, setup.dtype)
+        gc.freeze()  # the model lives through the estimate: out of full collections too (see _job)
         return (model, optimizer, batch), {}
 
     return make
@@ -169,28 +171,45 @@ def _arguments(
 
 @contextlib.contextmanager
 def _job(recipe: ModelRecipe, setup: TrainingSetup) -> Iterator[Any]:
-    """The context the estimates run in: the library's warnings off, and for a sharded job a
+    """The context the estimates run in: the library's warnings off, the garbage collector's full
+    collections spared what lives throughout, and for a sharded job a
     :func:`~memlab.distributed.fake_group` of ``setup.world_size`` ranks. Yields the device mesh
-    FSDP2 shards over (``None`` without FSDP), made here, outside the estimate's fake mode, since
-    a mesh reads its tensor of ranks."""
-    with recipe.quiet(), warnings.catch_warnings():
-        # copy.deepcopy of FSDP2's modules asks each fake tensor for its data pointer; harmless
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        # FSDP2's advice on blocks that return views (in-place ops on them skip its hooks): the
-        # model's own code, which a memory estimate neither changes nor needs
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        if setup.parallel is None:
+    FSDP2 shards over (``None`` without FSDP)."""
+    # The objects made before (the imports': torch's and transformers', hundreds of thousands) and
+    # each model built (``make`` freezes it) are left out of full collections while the estimates
+    # run: each would scan them all again, to find no garbage (0.5-0.9 CPU s of an 8B or 70B
+    # model's estimate; benchmarks/bench_estimate_command.py). Garbage the steps make is collected
+    # as before; everything frozen is handed back to the collector at the end.
+    gc.freeze()
+    try:
+        with recipe.quiet(), warnings.catch_warnings():
+            # copy.deepcopy of FSDP2's modules asks each fake tensor for its data pointer; harmless
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            # FSDP2's advice on blocks that return views (in-place ops on them skip its hooks): the
+            # model's own code, which a memory estimate neither changes nor needs
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+            with _group(setup) as mesh:
+                yield mesh
+    finally:
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
+def _group(setup: TrainingSetup) -> Iterator[Any]:
+    """A :func:`~memlab.distributed.fake_group` for a sharded job, and under FSDP its device mesh,
+    made here, outside the estimate's fake mode, since a mesh reads its tensor of ranks."""
+    if setup.parallel is None:
+        yield None
+        return
+    from memlab.distributed import fake_group
+
+    with fake_group(setup.world_size):
+        if setup.parallel != "fsdp":
             yield None
             return
-        from memlab.distributed import fake_group
+        from torch.distributed.device_mesh import init_device_mesh
 
-        with fake_group(setup.world_size):
-            if setup.parallel != "fsdp":
-                yield None
-                return
-            from torch.distributed.device_mesh import init_device_mesh
-
-            yield init_device_mesh(_device().type, (setup.world_size,))
+        yield init_device_mesh(_device().type, (setup.world_size,))
 
 
 def _estimate(
