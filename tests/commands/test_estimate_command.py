@@ -231,6 +231,20 @@ def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[16].startswith("why they differ: the formulas count model states only; at memlab's peak")
 
 
+def test_a_gpu_known_only_by_its_capability_has_no_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    answer = cli_json(capsys, GPT2, "--seq-len", "16", "--gpu", "sm87")
+    assert (answer["gpu"], answer["budget"], answer["fits"]) == ("sm87", None, None)
+    assert main(["estimate", GPT2, "--seq-len", "16", "--gpu", "sm87"]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[3]
+        == "fits: unknown (sm87 has no known memory size; pass --budget)"
+    )
+    budgeted = cli_json(capsys, GPT2, "--seq-len", "16", "--gpu", "sm87", "--budget", "16 MiB")
+    # the budget changes the verdict, not the estimate: 24 MiB reserved does not fit in 16 MiB
+    assert budgeted["peak_reserved"] == answer["peak_reserved"] == 24 * 2**20
+    assert (budgeted["budget"], budgeted["fits"]) == (16 * 2**20, False)
+
+
 # -- bad inputs ---------------------------------------------------------------------------------------
 def test_missing_path(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_error(capsys, "no/such/folder") == (
@@ -309,6 +323,14 @@ def test_unknown_gpu(capsys: pytest.CaptureFixture[str]) -> None:
 def test_world_size_without_a_sharding(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_error(capsys, LLAMA, "--world-size", "8") == (
         "memlab estimate: error: --world-size 8 needs --fsdp or --ddp (how the ranks share the model)"
+    )
+
+
+def test_max_batch_size_without_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_error(capsys, GPT2, "--gpu", "sm87", "--max-batch-size") == (
+        "memlab estimate: error: --max-batch-size needs a budget: --gpu sm87 gives only a compute "
+        "capability; name a GPU (V100, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, H100, H200, "
+        "B200) or pass --budget"
     )
 
 
