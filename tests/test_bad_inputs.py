@@ -545,7 +545,7 @@ def test_the_table_covers_every_public_name() -> None:
 SCRIPT = "import torch\nprint('the script ran')\n"
 # (argv, what the one line on stderr contains), {script} and {tmp} filled in; nothing may run.
 CLI: list[tuple[list[str], str]] = [
-    ([], "memlab: error: name a COMMAND: run, viz, demo"),
+    ([], "memlab: error: name a COMMAND: run, estimate, viz, demo"),
     (["--bogus"], "memlab: error: unrecognized arguments: --bogus"),
     (["bogus"], "memlab: error: argument COMMAND: invalid choice: 'bogus'"),
     (["run"], "memlab run: error: name a script to run"),
@@ -619,6 +619,13 @@ CLI: list[tuple[list[str], str]] = [
     (["demo", "-o", "{tmp}/out.xlsx"], "memlab demo: error: -o {tmp}/out.xlsx: write to a file ending in"),
     (["demo", "-o", "{tmp}/folder.txt"], "memlab demo: error: -o {tmp}/folder.txt: is a folder"),
     (["demo", "extra"], "memlab: error: unrecognized arguments: extra"),
+    (["estimate"], "memlab estimate: error: the following arguments are required: CONFIG_OR_MODEL"),
+    (["estimate", "{tmp}/none"], "memlab estimate: error: {tmp}/none: no such file or folder"),
+    (["estimate", "{tmp}/folder"], "memlab estimate: error: {tmp}/folder: the folder holds no config.json"),
+    (["estimate", "{tmp}/table.csv"], "memlab estimate: error: {tmp}/table.csv: not a JSON model config"),
+    (["estimate", "{tmp}/folder", "--batch-size", "0"], "argument --batch-size: must be a whole number"),
+    (["estimate", "{tmp}/folder", "--gpu", "X9000"], "memlab estimate: error: --gpu 'X9000' is not a GPU"),
+    (["estimate", "{tmp}/folder", "--fsdp", "--ddp"], "argument --ddp: not allowed with argument --fsdp"),
 ]
 
 

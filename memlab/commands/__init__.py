@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from memlab.commands._command import Command, CommandError
 from memlab.commands.demo import DemoCommand
+from memlab.commands.estimate import EstimateCommand
 from memlab.commands.run import RunCommand
 from memlab.commands.viz import VizCommand
 
 __all__ = ["COMMANDS", "Command", "CommandError"]
 
 #: Subcommand name -> command class, in the order ``memlab --help`` lists them.
-COMMANDS: dict[str, type[Command]] = {"run": RunCommand, "viz": VizCommand, "demo": DemoCommand}
+COMMANDS: dict[str, type[Command]] = {
+    "run": RunCommand,
+    "estimate": EstimateCommand,
+    "viz": VizCommand,
+    "demo": DemoCommand,
+}

@@ -39,7 +39,7 @@ from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.result import HOW, Estimate, EstimateError
 from memlab.estimate.sizes import RealSizes
 from memlab.history import categories
-from memlab.history.recorder import capture_stack
+from memlab.history.recorder import _no_stack, capture_stack
 from memlab.sources.tracker import TensorTracker
 
 __all__ = ["Estimate", "EstimateError", "estimate"]
@@ -62,9 +62,16 @@ class _Tracker(TensorTracker):
     forced_by: str | None = None
     estimated: str | None = None  # how the estimate ran, for the line that says where numbers come from
 
-    def __init__(self, *, kernels: str | None = None, **options: Any) -> None:
+    def __init__(self, *, kernels: str | None = None, stacks: bool = True, **options: Any) -> None:
+        self.stacks = stacks  # before the tracker makes its first allocator
         super().__init__(**options)
         self.real_sizes = RealSizes(kernels) if kernels is not None else None
+
+    def _new_allocator(self) -> Any:
+        allocator = super()._new_allocator()
+        if not self.stacks and allocator.history is not None:
+            allocator.history.stack = _no_stack  # categories and peaks only: no stack walk per allocation
+        return allocator
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         try:
@@ -199,6 +206,7 @@ def run_estimate(
     start: Callable[[TensorTracker, Copier], None] | None = None,
     call_context: Callable[[Copier, int], contextlib.AbstractContextManager[Any]] | None = None,
     gpu: GPU | None = None,
+    stacks: bool = True,
 ) -> Estimate:
     """Run ``fn`` on data-free copies of what ``make_arguments()`` returns (``(args, kwargs)``;
     called under the fake mode, so tensors it creates are fake from the start) and return the
@@ -216,7 +224,9 @@ def run_estimate(
     copies in their originals' blocks) instead of an empty one; the copies it does not place are
     counted as new allocations, and the run's peaks are those of that allocator from there (its
     ``by_category(at="peak")`` reads the allocator's whole history). ``call_context(copier, i)``:
-    the context manager the ``i``-th call of ``fn`` (from 0) runs in, given the copies."""
+    the context manager the ``i``-th call of ``fn`` (from 0) runs in, given the copies.
+    ``stacks=False``: the run's history records no Python stacks (its snapshot's frames are empty;
+    peaks and categories are the same), which saves a stack walk per allocation."""
     method = method or ("meta" if device.type == "meta" else "fake")
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     if gpu is None:
@@ -226,7 +236,7 @@ def run_estimate(
         return run_estimate(
             fn, make_arguments, device, with_grads=with_grads, backward=backward,
             profiler=new_profiler, method=method, steps=steps, capacity=capacity,
-            start=start, call_context=call_context, gpu=gpu,
+            start=start, call_context=call_context, gpu=gpu, stacks=stacks,
         )  # fmt: skip
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
@@ -235,6 +245,7 @@ def run_estimate(
         capacity=capacity,
         kernels=device.type if method == "fake" else None,
         gpu=gpu,
+        stacks=stacks,
     )
     tracker.estimated = HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
     kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)
@@ -321,6 +332,7 @@ def run_estimate(
             start=start,
             call_context=call_context,
             gpu=gpu,
+            stacks=stacks,
         )
         cpu.forced_by = tracker.forced_by
         return cpu

@@ -229,6 +229,9 @@ def _plain_module(
     for key, value in rest.items():
         if key.endswith("hooks") and isinstance(value, dict):
             rest[key] = type(value)((k, v) for k, v in value.items() if not _fsdp_hook(v))
+    for value in rest.values():
+        if isinstance(value, torch.Tensor) and id(value) not in memo:
+            copier.tensor(value)  # a tensor attribute (HF's rotary original_inv_freq), copied data-free
     new.__dict__.update(copier.deepcopy(rest, memo))
     new._parameters = type(module._parameters)(
         (name, None if p is None else memo[id(p)] if id(p) in memo else copier.tensor(p))

@@ -186,3 +186,28 @@ def test_fsdp2_settings_made_after_sharding_are_carried_into_the_estimate():
     for estimate, stats in zip(estimates, measured, strict=True):
         assert {key: estimate.stats[key] for key in KEYS} == stats
     assert resharding.stats["allocated_bytes.all.current"] < estimates[0].stats["allocated_bytes.all.current"]
+
+
+def test_a_tensor_attribute_of_a_sharded_module_is_copied_data_free():
+    # Hugging Face's rotary embeddings keep their buffer twice: also as a plain attribute
+    # (original_inv_freq). The copy must take it as a tensor to copy, not deep-copy real data into
+    # the fake mode; an alias of a buffer holds no bytes of its own, so the estimate is unchanged.
+    def with_alias() -> torch.nn.Module:
+        model = make_model()
+        model[0].register_buffer("scale", torch.ones(256))
+        model[0].original_scale = model[0].scale
+        return model
+
+    def without_alias() -> torch.nn.Module:
+        model = make_model()
+        model[0].register_buffer("scale", torch.ones(256))
+        return model
+
+    found = []
+    for make in (with_alias, without_alias):
+        with fake_group(2):
+            model = fsdp2(make())
+            optimizer = torch.optim.Adam(model.parameters())
+            found.append(memlab.estimate(train_step, model, optimizer, batch(), steps=2).stats)
+    assert found[0] == found[1]
+    assert found[0]["allocated_bytes.all.peak"] > 0

@@ -167,6 +167,33 @@ def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
     assert (end["gradient"], end["activation"], end["temporary"]) == (2 * weight, 0, 0)
 
 
+def test_an_estimate_without_stacks_has_the_same_peaks_and_categories():
+    from memlab.estimate.estimate import run_estimate
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
+    )
+
+    def forward_backward(model, x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    def arguments():
+        return (model, torch.randn(4, 256, 1024)), {}
+
+    found = [run_estimate(forward_backward, arguments, torch.device("cpu"), stacks=s) for s in (True, False)]
+    with_stacks, without = found
+    weight, activation = 1024 * 1024 * 4, 4 * 256 * 1024 * 4  # as in the test above
+    assert without.by_category("peak")["activation"] == activation
+    assert without.by_category("peak")["gradient"] == weight
+    assert without.by_category("peak") == with_stacks.by_category("peak")
+    assert without.stats == with_stacks.stats
+    frames = [e["frames"] for e in without.tracker.snapshot()["device_traces"][-1]]
+    assert frames and all(f == [] for f in frames)  # no stack was walked
+    assert any(e["frames"] for e in with_stacks.tracker.snapshot()["device_traces"][-1])
+
+
 @dataclasses.dataclass
 class Batch:
     x: torch.Tensor
