@@ -34,7 +34,8 @@ from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import check_count, format_size
 from memlab.estimate.copies import Copier, named_objects
-from memlab.estimate.outside import outside_tensors, watch_outside
+from memlab.estimate.isolation import Isolation
+from memlab.estimate.outside import OutsideCopies, outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.result import HOW, Estimate, EstimateError
 from memlab.estimate.sizes import RealSizes
@@ -240,9 +241,11 @@ def run_estimate(
     kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
-    with _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
+    isolation = Isolation(fn, make_arguments)  # the user's state, put back when the run ends
+    with isolation, _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
+        isolation.add(args, kwargs)
         copier.modules_first([*named_objects(fn), args, kwargs])
         call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))
         if with_grads:
@@ -270,7 +273,9 @@ def run_estimate(
                 copier.finish()  # wrappers that allocate when built (DDP's buckets), counted
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
-                with profiler or contextlib.nullcontext():
+                copies = OutsideCopies(method, mode, isolation.tensors, outside, _host_scalar)
+                with profiler or contextlib.nullcontext(), copies:
+                    isolation.protect()
                     result = None
                     for index in range(steps):
                         with call_context(copier, index) if call_context else contextlib.nullcontext():
@@ -300,7 +305,7 @@ def run_estimate(
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
         if tracker.forced_by is None:
-            caveats += outside_tensors(outside) + tracker.size_caveats + copier.caveats
+            caveats += outside_tensors(outside) + tracker.size_caveats + copier.caveats + isolation.caveats
             if device.type == "cuda":
                 caveats += tracker.workspaces.caveats()  # cuDNN's convolution workspaces
             if kernels is not None:

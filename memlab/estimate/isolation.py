@@ -1,0 +1,456 @@
+"""An estimate leaves the user's program as it found it: what a step changes outside its copies is undone.
+
+An estimate runs the user's step on copies of its tensors, modules and optimizers
+(:mod:`memlab.estimate.copies`), but the step also reaches other objects: a global list it appends
+losses to, a dict of EMA weights, a counter in a closure, the attributes of the trainer whose
+method it is, the random number generators. :class:`Isolation` saves the shallow state of every
+mutable object the step can reach before the estimate runs it (a journal: through the globals its
+functions name, their closure cells and defaults, a bound method's owner, the arguments, and
+recursively through lists, dicts, sets, deques, objects' ``__dict__`` and ``__slots__`` and the
+user's own modules) and puts it back when the estimate ends, also when it fails or is interrupted.
+A tensor the walk finds is not copied here: an estimate's ops never run on it
+(:class:`memlab.estimate.outside.OutsideCopies` hands them copies), and its ``grad`` and
+``requires_grad`` are put back. NumPy arrays are made read-only for the run (a write is an
+:class:`EstimateError` naming the array and the line, before anything is written); a generator
+the step advances cannot be rewound, which is an :class:`EstimateError` after the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import linecache
+import os
+import random
+import sys
+import sysconfig
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memlab.estimate.result import EstimateError
+
+__all__ = ["Isolation"]
+
+#: How many objects the walk saves at most; a step that reaches more gets a caveat.
+LIMIT = 500_000
+
+_MISSING = object()
+# Objects that hold no state a step can change, or none the journal could save.
+_ATOMS = (
+    type(None), bool, int, float, complex, str, bytes, range, slice, type(Ellipsis), type,
+    types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
+    types.GetSetDescriptorType, types.MemberDescriptorType, property, staticmethod, classmethod,
+    torch.dtype, torch.device, torch.layout, torch.memory_format,
+)  # fmt: skip
+
+
+class Isolation:
+    """The saved state of everything ``roots`` reach (a step, the function that makes its
+    arguments); a context manager that puts it back on exit. :meth:`add` saves more roots (the
+    arguments, once made). ``tensors`` holds the user's tensors found (by ``id``), which an
+    estimate must never hand to an op."""
+
+    def __init__(self, *roots: Any) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        #: What the walk could not cover (one sentence each).
+        self.caveats: list[str] = []
+        self._seen: set[int] = set()
+        self._keep: list[Any] = []
+        self._undo: list[Callable[[], None]] = []
+        self._checks: list[Callable[[], None]] = []
+        self._read_only: list[tuple[Any, str]] = []  # NumPy arrays made read-only, and their paths
+        self._randoms = _RandomStates()
+        self.add(*roots)
+
+    def add(self, *roots: Any) -> None:
+        """Save the state of what ``roots`` reach, too (objects already saved are not saved again)."""
+        with _disable_current_modes():  # a generator's state is a tensor: a real one
+            todo: list[tuple[Any, tuple[Any, ...]]] = [(root, ("the step",)) for root in reversed(roots)]
+            while todo:
+                obj, path = todo.pop()
+                if isinstance(obj, _ATOMS) or id(obj) in self._seen:
+                    continue
+                if len(self._seen) >= LIMIT:
+                    self.caveats.append(
+                        f"the step reaches more than {LIMIT} objects; the estimate saved and restored "
+                        f"the state of the first {LIMIT} only"
+                    )
+                    return
+                self._seen.add(id(obj))
+                self._keep.append(obj)
+                todo.extend(reversed(self._save(obj, path)))
+
+    # -- saving one object ----------------------------------------------------------------------
+    def _save(self, obj: Any, path: tuple[Any, ...]) -> list[tuple[Any, tuple[Any, ...]]]:
+        """Save ``obj``'s own state; the objects it holds, with their paths, to walk next."""
+        if isinstance(obj, torch.Tensor):
+            self._tensor(obj)
+            return []
+        if isinstance(obj, types.ModuleType):
+            if _library(obj.__name__):
+                return []
+            self._dict(vars(obj), namespace=True)
+            return [(value, (*path, key)) for key, value in vars(obj).items() if key != "__builtins__"]
+        if isinstance(obj, types.FunctionType):
+            return self._function(obj, path)
+        if isinstance(obj, types.MethodType):
+            return [(obj.__self__, path), (obj.__func__, path)]
+        if isinstance(obj, functools.partial):
+            return [(obj.func, path), *((arg, path) for arg in (*obj.args, *obj.keywords.values()))]
+        if isinstance(obj, types.GeneratorType):
+            self._generator(obj, path)
+            return []
+        if isinstance(obj, torch.Generator | random.Random) or _numpy_type(obj, "Generator"):
+            self._random(obj)
+            return []
+        if _numpy_type(obj, "ndarray"):
+            if obj.flags.writeable:
+                self._read_only.append((obj, _name(path)))
+            return []
+        held = self._container(obj, path)
+        attributes = _attributes(obj)
+        if attributes is not None:
+            self._dict(attributes)
+            held += [(value, (*path, f".{key}")) for key, value in attributes.items()]
+        for slot in _slots(type(obj)):
+            value = slot.__get__(obj) if _has_slot(slot, obj) else _MISSING
+            self._undo.append(functools.partial(_restore_slot, slot, obj, value))
+            if value is not _MISSING:
+                held.append((value, (*path, f".{slot.__name__}")))
+        return held
+
+    def _container(self, obj: Any, path: tuple[Any, ...]) -> list[tuple[Any, tuple[Any, ...]]]:
+        if isinstance(obj, dict):
+            self._dict(obj)
+            return [item for key, value in dict.items(obj) for item in ((key, path), (value, (*path, key)))]
+        if isinstance(obj, list):
+            saved = list.copy(obj)
+            self._undo.append(lambda: _restore_list(obj, saved))
+        elif isinstance(obj, set):
+            saved_set = set.copy(obj)
+            self._undo.append(lambda: _restore_set(obj, saved_set))
+        elif isinstance(obj, collections.deque):
+            saved = list(obj)
+            self._undo.append(lambda: _restore_deque(obj, saved))
+        elif isinstance(obj, bytearray):
+            saved_bytes = bytes(obj)
+            self._undo.append(lambda: obj.__setitem__(slice(None), saved_bytes))
+            return []
+        elif not isinstance(obj, tuple | frozenset):
+            return []
+        return [(item, (*path, index)) for index, item in enumerate(list(obj))]
+
+    def _dict(self, obj: dict[Any, Any], namespace: bool = False) -> None:
+        saved = list(dict.items(obj))
+        self._undo.append(lambda: _restore_dict(obj, saved, namespace))
+
+    def _function(self, fn: types.FunctionType, path: tuple[Any, ...]) -> list[tuple[Any, tuple[Any, ...]]]:
+        namespace = fn.__globals__
+        if _library(namespace.get("__name__")):
+            return []
+        held: list[tuple[Any, tuple[Any, ...]]] = []
+        if id(namespace) not in self._seen:  # names a step assigns with `global` live here
+            self._seen.add(id(namespace))
+            self._keep.append(namespace)
+            self._dict(namespace, namespace=True)
+        where = f"{fn.__qualname__}"
+        for name in sorted(_global_names(fn.__code__)):
+            value = namespace.get(name, _MISSING)
+            if value is not _MISSING:
+                held.append((value, (f"global {name!r} of {where}",)))
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+            value = _cell(cell)
+            self._undo.append(functools.partial(_restore_cell, cell, value))
+            if value is not _MISSING:
+                held.append((value, (f"closure variable {name!r} of {where}",)))
+        held += [(value, (f"default of {where}",)) for value in (fn.__defaults__ or ())]
+        held += [(value, (f"default of {where}",)) for value in (fn.__kwdefaults__ or {}).values()]
+        if fn.__dict__:
+            self._dict(fn.__dict__)
+            held += [(value, path) for value in fn.__dict__.values()]
+        return held
+
+    def _tensor(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, FakeTensor):
+            return  # made by the estimate
+        self.tensors[id(tensor)] = tensor
+        version = _version(tensor)
+        if tensor.is_leaf:
+            grad, requires_grad = tensor.grad, tensor.requires_grad
+            self._undo.append(lambda: _restore_tensor(tensor, grad, requires_grad))
+        self._checks.append(lambda: _check_version(tensor, version))
+
+    def _generator(self, generator: types.GeneratorType, path: tuple[Any, ...]) -> None:
+        position = _position(generator)
+
+        def check() -> None:
+            if _position(generator) != position:
+                raise EstimateError(
+                    f"the step advanced the generator {_name(path)} ({generator.__qualname__}), whose "
+                    f"position an estimate cannot save and restore; pass the step the values it draws "
+                    f"instead (its arguments, or a list)"
+                )
+
+        self._checks.append(check)
+
+    def _random(self, generator: Any) -> None:
+        if isinstance(generator, torch.Generator):
+            state = generator.get_state()
+            self._undo.append(lambda: generator.set_state(state))
+        elif isinstance(generator, random.Random):
+            saved = generator.getstate()
+            self._undo.append(lambda: generator.setstate(saved))
+        else:  # numpy.random.Generator
+            bits = generator.bit_generator
+            saved_bits = bits.state
+            self._undo.append(lambda: setattr(bits, "state", saved_bits))
+
+    # -- the run --------------------------------------------------------------------------------
+    def __enter__(self) -> Isolation:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        """Put everything back; a write to a NumPy array made read-only becomes an EstimateError."""
+        try:
+            self.restore()
+        finally:
+            written = self._written_array(error)
+        if written is not None:
+            raise written from error
+        if error is None:
+            for check in self._checks:
+                check()
+
+    def protect(self) -> None:
+        """Make the NumPy arrays found read-only until :meth:`restore` (called as the step starts)."""
+        for array, _ in self._read_only:
+            array.flags.writeable = False
+
+    def restore(self) -> None:
+        """Put back the state saved: containers, attributes, cells, globals, random generators."""
+        with _disable_current_modes():
+            for array, _ in self._read_only:
+                array.flags.writeable = True
+            for undo in reversed(self._undo):
+                undo()
+            self._randoms.restore()
+
+    def _written_array(self, error: BaseException | None) -> EstimateError | None:
+        if not isinstance(error, ValueError) or "read-only" not in str(error) or not self._read_only:
+            return None
+        names = ", ".join(name for _, name in self._read_only)
+        return EstimateError(
+            f"the step wrote to a NumPy array it reaches outside its copies ({names}){_where(error)}; an "
+            f"estimate cannot copy NumPy arrays, and it never changes the user's objects: pass the step "
+            f"a tensor instead, or the array as an argument to a step that copies it"
+        )
+
+
+class _RandomStates:
+    """The states of torch's, Python's and NumPy's global random number generators, put back by
+    :meth:`restore` (a step may seed them or draw from them)."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+
+
+# -- restoring ------------------------------------------------------------------------------------
+def _restore_dict(obj: dict[Any, Any], saved: list[tuple[Any, Any]], namespace: bool) -> None:
+    current = list(dict.items(obj))
+    if len(current) == len(saved) and all(
+        k is k0 and v is v0 for (k, v), (k0, v0) in zip(current, saved, strict=True)
+    ):
+        return
+    kind: Any = collections.OrderedDict if isinstance(obj, collections.OrderedDict) else dict
+    if namespace:  # a module's globals: never empty, even for a moment
+        keys = {key for key, _ in saved}
+        for key, _ in current:
+            if key not in keys:
+                kind.__delitem__(obj, key)
+        for key, value in saved:
+            if dict.get(obj, key, _MISSING) is not value:
+                kind.__setitem__(obj, key, value)
+        return
+    kind.clear(obj)
+    for key, value in saved:
+        kind.__setitem__(obj, key, value)
+
+
+def _restore_list(obj: list[Any], saved: list[Any]) -> None:
+    if len(obj) != len(saved) or any(a is not b for a, b in zip(obj, saved, strict=True)):
+        list.__setitem__(obj, slice(None), saved)
+
+
+def _restore_set(obj: set[Any], saved: set[Any]) -> None:
+    if not set.__eq__(obj, saved):
+        set.clear(obj)
+        set.update(obj, saved)
+
+
+def _restore_deque(obj: collections.deque[Any], saved: list[Any]) -> None:
+    if len(obj) != len(saved) or any(a is not b for a, b in zip(obj, saved, strict=True)):
+        obj.clear()
+        obj.extend(saved)
+
+
+def _restore_cell(cell: types.CellType, value: Any) -> None:
+    if _cell(cell) is value:
+        return
+    if value is _MISSING:
+        del cell.cell_contents
+    else:
+        cell.cell_contents = value
+
+
+def _restore_slot(slot: Any, obj: Any, value: Any) -> None:
+    current = slot.__get__(obj) if _has_slot(slot, obj) else _MISSING
+    if current is value:
+        return
+    if value is _MISSING:
+        slot.__delete__(obj)
+    else:
+        slot.__set__(obj, value)
+
+
+def _restore_tensor(tensor: torch.Tensor, grad: torch.Tensor | None, requires_grad: bool) -> None:
+    if tensor.requires_grad != requires_grad:
+        tensor.requires_grad_(requires_grad)
+    if tensor.grad is not grad:
+        tensor.grad = grad
+
+
+def _check_version(tensor: torch.Tensor, version: int | None) -> None:
+    if _version(tensor) != version:
+        raise EstimateError(
+            f"the estimate changed a tensor of the user's in place ({tuple(tensor.shape)} "
+            f"{str(tensor.dtype).removeprefix('torch.')}), which it could not copy; please report it"
+        )  # pragma: no cover  (OutsideCopies hands every op copies)
+
+
+# -- reading objects ------------------------------------------------------------------------------
+def _attributes(obj: Any) -> dict[str, Any] | None:
+    try:
+        attributes = object.__getattribute__(obj, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return attributes if type(attributes) is dict else None
+
+
+@functools.cache
+def _slot_descriptors(cls: type) -> tuple[Any, ...]:
+    found = []
+    for klass in cls.__mro__:
+        names = klass.__dict__.get("__slots__", ())
+        for name in (names,) if isinstance(names, str) else names:
+            descriptor = klass.__dict__.get(name)
+            if isinstance(descriptor, types.MemberDescriptorType):
+                found.append(descriptor)
+    return tuple(found)
+
+
+def _slots(cls: type) -> tuple[Any, ...]:
+    try:
+        return _slot_descriptors(cls)
+    except TypeError:  # an unhashable class
+        return ()
+
+
+def _has_slot(slot: Any, obj: Any) -> bool:
+    try:
+        slot.__get__(obj)
+    except AttributeError:
+        return False
+    return True
+
+
+def _cell(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has none
+        return None
+
+
+def _position(generator: types.GeneratorType) -> int:
+    frame = generator.gi_frame
+    return -1 if frame is None else frame.f_lasti
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+def _numpy_type(obj: Any, name: str) -> bool:
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return False
+    kind = numpy.ndarray if name == "ndarray" else numpy.random.Generator
+    return isinstance(obj, kind)
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """``global 'ema' of step['weight'].history`` from the walk's path."""
+    head, *rest = path
+    parts = (part if isinstance(part, str) and part.startswith(".") else f"[{part!r}]" for part in rest)
+    return str(head) + "".join(parts)
+
+
+def _where(error: BaseException) -> str:
+    """`` at file:line: code`` of the user's frame that raised ``error`` (the innermost outside libraries)."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not _library_file(frame.filename):
+            code = linecache.getline(frame.filename, frame.lineno or 0).strip()
+            return f" at {frame.filename}:{frame.lineno}" + (f": {code}" if code else "")
+    return ""
+
+
+@functools.cache
+def _library_paths() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {os.path.realpath(paths[key]) for key in ("stdlib", "purelib", "platlib")}
+    memlab_root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return (*sorted(root + os.sep for root in roots), memlab_root + os.sep)
+
+
+def _library_file(filename: str) -> bool:
+    return os.path.realpath(filename).startswith(_library_paths())
+
+
+@functools.cache
+def _library(module_name: str | None) -> bool:
+    """Whether a module is a library's (the standard library, an installed package, memlab), whose
+    globals an estimate does not save: a step's state lives in the user's own modules."""
+    if not module_name or module_name == "__main__":
+        return False
+    module = sys.modules.get(module_name.partition(".")[0])
+    if module is None:
+        return False  # a namespace made by exec, say: the user's
+    filename = getattr(module, "__file__", None)
+    return filename is None or _library_file(filename)
