@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,6 +66,7 @@ class Isolation:
         self._undo: list[Callable[[], None]] = []
         self._checks: list[Callable[[], None]] = []
         self._read_only: list[tuple[Any, str]] = []  # NumPy arrays made read-only, and their paths
+        self._warnings: warnings.catch_warnings[Any] | None = None
         self._randoms = _RandomStates()
         self.add(*roots)
 
@@ -153,7 +155,9 @@ class Isolation:
     def _function(self, fn: types.FunctionType, path: tuple[Any, ...]) -> list[tuple[Any, tuple[Any, ...]]]:
         namespace = fn.__globals__
         if _library(namespace.get("__name__")):
-            return []
+            # its globals are the library's; what its closure holds may be the user's (the
+            # `make_batch` inside the function max_batch_size makes a step's arguments with)
+            return [(_cell(cell), path) for cell in fn.__closure__ or () if _cell(cell) is not _MISSING]
         held: list[tuple[Any, tuple[Any, ...]]] = []
         if id(namespace) not in self._seen:  # names a step assigns with `global` live here
             self._seen.add(id(namespace))
@@ -228,7 +232,12 @@ class Isolation:
                 check()
 
     def protect(self) -> None:
-        """Make the NumPy arrays found read-only until :meth:`restore` (called as the step starts)."""
+        """Make the NumPy arrays found read-only until :meth:`restore` (called as the step starts);
+        ``torch.from_numpy`` of one does not warn that it is (the user's array is writable)."""
+        if self._read_only and self._warnings is None:
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
         for array, _ in self._read_only:
             array.flags.writeable = False
 
@@ -237,6 +246,9 @@ class Isolation:
         with _disable_current_modes():
             for array, _ in self._read_only:
                 array.flags.writeable = True
+            if self._warnings is not None:
+                self._warnings.__exit__(None, None, None)
+                self._warnings = None
             for undo in reversed(self._undo):
                 undo()
             self._randoms.restore()
