@@ -116,7 +116,19 @@ def estimate(
     directly as globals or closure variables (a global ``model``, also through the functions of
     its module it calls); a module passed as ``fn`` is copied, and so is the owner of a bound
     method. The user's objects are never touched, moved or given gradients. Other objects (lists
-    ``fn`` appends to, counters) are shared and changed as by a real call.
+    ``fn`` appends to, dicts it assigns, attributes it sets on ``self`` or on a module, counters in
+    globals and closures) are the user's own during the run, as in a real call (a list of losses
+    grows step after step and holds them), and are put back as they were when the estimate ends,
+    also when it fails or is interrupted (:mod:`memlab.estimate.isolation`): every object ``fn``
+    can reach through the globals its functions name, their closures and defaults, the owner of a
+    bound method, the arguments, containers, attributes and slots, up to
+    :data:`memlab.estimate.isolation.LIMIT` objects; so are the random number generators of torch,
+    ``random`` and NumPy. A tensor ``fn`` reaches that way is never handed to an op: each op gets a
+    copy of it, the same one all run long (``ema.mul_(0.5)`` changes the copy; its version counter
+    is set back), so every tensor of the user's is bit-identical afterwards. What cannot be put
+    back is an :class:`EstimateError`: a write to a NumPy array ``fn`` reaches (before it happens,
+    naming the array and the line), a generator ``fn`` advanced (after the run). Objects of C
+    extensions other than these, and the globals of installed packages, are not saved.
 
     ``device`` says whose kernels to mimic: ``"cuda"`` (the default when an argument is on a GPU),
     ``"cpu"``, ``"meta"``; default: the arguments' device type, else torch's default device. On a

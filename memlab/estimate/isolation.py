@@ -34,6 +34,22 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memlab.estimate.restore import (
+    MISSING,
+    RandomStates,
+    attributes,
+    cell_value,
+    has_slot,
+    restore_cell,
+    restore_deque,
+    restore_dict,
+    restore_list,
+    restore_set,
+    restore_slot,
+    restore_tensor,
+    slots,
+    version,
+)
 from memlab.estimate.result import EstimateError
 
 __all__ = ["Isolation"]
@@ -41,7 +57,6 @@ __all__ = ["Isolation"]
 #: How many objects the walk saves at most; a step that reaches more gets a caveat.
 LIMIT = 500_000
 
-_MISSING = object()
 # Objects that hold no state a step can change, or none the journal could save.
 _ATOMS = (
     type(None), bool, int, float, complex, str, bytes, range, slice, type(Ellipsis), type,
@@ -67,7 +82,7 @@ class Isolation:
         self._checks: list[Callable[[], None]] = []
         self._read_only: list[tuple[Any, str]] = []  # NumPy arrays made read-only, and their paths
         self._warnings: warnings.catch_warnings[Any] | None = None
-        self._randoms = _RandomStates()
+        self._randoms = RandomStates()
         self.add(*roots)
 
     def add(self, *roots: Any) -> None:
@@ -116,14 +131,14 @@ class Isolation:
                 self._read_only.append((obj, _name(path)))
             return []
         held = self._container(obj, path)
-        attributes = _attributes(obj)
-        if attributes is not None:
-            self._dict(attributes)
-            held += [(value, (*path, f".{key}")) for key, value in attributes.items()]
-        for slot in _slots(type(obj)):
-            value = slot.__get__(obj) if _has_slot(slot, obj) else _MISSING
-            self._undo.append(functools.partial(_restore_slot, slot, obj, value))
-            if value is not _MISSING:
+        found = attributes(obj)
+        if found is not None:
+            self._dict(found)
+            held += [(value, (*path, f".{key}")) for key, value in found.items()]
+        for slot in slots(type(obj)):
+            value = slot.__get__(obj) if has_slot(slot, obj) else MISSING
+            self._undo.append(functools.partial(restore_slot, slot, obj, value))
+            if value is not MISSING:
                 held.append((value, (*path, f".{slot.__name__}")))
         return held
 
@@ -133,13 +148,13 @@ class Isolation:
             return [item for key, value in dict.items(obj) for item in ((key, path), (value, (*path, key)))]
         if isinstance(obj, list):
             saved = list.copy(obj)
-            self._undo.append(lambda: _restore_list(obj, saved))
+            self._undo.append(lambda: restore_list(obj, saved))
         elif isinstance(obj, set):
             saved_set = set.copy(obj)
-            self._undo.append(lambda: _restore_set(obj, saved_set))
+            self._undo.append(lambda: restore_set(obj, saved_set))
         elif isinstance(obj, collections.deque):
             saved = list(obj)
-            self._undo.append(lambda: _restore_deque(obj, saved))
+            self._undo.append(lambda: restore_deque(obj, saved))
         elif isinstance(obj, bytearray):
             saved_bytes = bytes(obj)
             self._undo.append(lambda: obj.__setitem__(slice(None), saved_bytes))
@@ -150,14 +165,16 @@ class Isolation:
 
     def _dict(self, obj: dict[Any, Any], namespace: bool = False) -> None:
         saved = list(dict.items(obj))
-        self._undo.append(lambda: _restore_dict(obj, saved, namespace))
+        self._undo.append(lambda: restore_dict(obj, saved, namespace))
 
     def _function(self, fn: types.FunctionType, path: tuple[Any, ...]) -> list[tuple[Any, tuple[Any, ...]]]:
         namespace = fn.__globals__
         if _library(namespace.get("__name__")):
             # its globals are the library's; what its closure holds may be the user's (the
             # `make_batch` inside the function max_batch_size makes a step's arguments with)
-            return [(_cell(cell), path) for cell in fn.__closure__ or () if _cell(cell) is not _MISSING]
+            return [
+                (cell_value(cell), path) for cell in fn.__closure__ or () if cell_value(cell) is not MISSING
+            ]
         held: list[tuple[Any, tuple[Any, ...]]] = []
         if id(namespace) not in self._seen:  # names a step assigns with `global` live here
             self._seen.add(id(namespace))
@@ -165,13 +182,13 @@ class Isolation:
             self._dict(namespace, namespace=True)
         where = f"{fn.__qualname__}"
         for name in sorted(_global_names(fn.__code__)):
-            value = namespace.get(name, _MISSING)
-            if value is not _MISSING:
+            value = namespace.get(name, MISSING)
+            if value is not MISSING:
                 held.append((value, (f"global {name!r} of {where}",)))
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
-            value = _cell(cell)
-            self._undo.append(functools.partial(_restore_cell, cell, value))
-            if value is not _MISSING:
+            value = cell_value(cell)
+            self._undo.append(functools.partial(restore_cell, cell, value))
+            if value is not MISSING:
                 held.append((value, (f"closure variable {name!r} of {where}",)))
         held += [(value, (f"default of {where}",)) for value in (fn.__defaults__ or ())]
         held += [(value, (f"default of {where}",)) for value in (fn.__kwdefaults__ or {}).values()]
@@ -184,11 +201,11 @@ class Isolation:
         if isinstance(tensor, FakeTensor):
             return  # made by the estimate
         self.tensors[id(tensor)] = tensor
-        version = _version(tensor)
+        before = version(tensor)
         if tensor.is_leaf:
             grad, requires_grad = tensor.grad, tensor.requires_grad
-            self._undo.append(lambda: _restore_tensor(tensor, grad, requires_grad))
-        self._checks.append(lambda: _check_version(tensor, version))
+            self._undo.append(lambda: restore_tensor(tensor, grad, requires_grad))
+        self._checks.append(lambda: _check_version(tensor, before))
 
     def _generator(self, generator: types.GeneratorType, path: tuple[Any, ...]) -> None:
         position = _position(generator)
@@ -264,147 +281,12 @@ class Isolation:
         )
 
 
-class _RandomStates:
-    """The states of torch's, Python's and NumPy's global random number generators, put back by
-    :meth:`restore` (a step may seed them or draw from them)."""
-
-    def __init__(self) -> None:
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.python = random.getstate()
-        numpy = sys.modules.get("numpy")
-        self.numpy = numpy.random.get_state() if numpy is not None else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
-
-
-# -- restoring ------------------------------------------------------------------------------------
-def _restore_dict(obj: dict[Any, Any], saved: list[tuple[Any, Any]], namespace: bool) -> None:
-    current = list(dict.items(obj))
-    if len(current) == len(saved) and all(
-        k is k0 and v is v0 for (k, v), (k0, v0) in zip(current, saved, strict=True)
-    ):
-        return
-    kind: Any = collections.OrderedDict if isinstance(obj, collections.OrderedDict) else dict
-    if namespace:  # a module's globals: never empty, even for a moment
-        keys = {key for key, _ in saved}
-        for key, _ in current:
-            if key not in keys:
-                kind.__delitem__(obj, key)
-        for key, value in saved:
-            if dict.get(obj, key, _MISSING) is not value:
-                kind.__setitem__(obj, key, value)
-        return
-    kind.clear(obj)
-    for key, value in saved:
-        kind.__setitem__(obj, key, value)
-
-
-def _restore_list(obj: list[Any], saved: list[Any]) -> None:
-    if len(obj) != len(saved) or any(a is not b for a, b in zip(obj, saved, strict=True)):
-        list.__setitem__(obj, slice(None), saved)
-
-
-def _restore_set(obj: set[Any], saved: set[Any]) -> None:
-    if not set.__eq__(obj, saved):
-        set.clear(obj)
-        set.update(obj, saved)
-
-
-def _restore_deque(obj: collections.deque[Any], saved: list[Any]) -> None:
-    if len(obj) != len(saved) or any(a is not b for a, b in zip(obj, saved, strict=True)):
-        obj.clear()
-        obj.extend(saved)
-
-
-def _restore_cell(cell: types.CellType, value: Any) -> None:
-    if _cell(cell) is value:
-        return
-    if value is _MISSING:
-        del cell.cell_contents
-    else:
-        cell.cell_contents = value
-
-
-def _restore_slot(slot: Any, obj: Any, value: Any) -> None:
-    current = slot.__get__(obj) if _has_slot(slot, obj) else _MISSING
-    if current is value:
-        return
-    if value is _MISSING:
-        slot.__delete__(obj)
-    else:
-        slot.__set__(obj, value)
-
-
-def _restore_tensor(tensor: torch.Tensor, grad: torch.Tensor | None, requires_grad: bool) -> None:
-    if tensor.requires_grad != requires_grad:
-        tensor.requires_grad_(requires_grad)
-    if tensor.grad is not grad:
-        tensor.grad = grad
-
-
-def _check_version(tensor: torch.Tensor, version: int | None) -> None:
-    if _version(tensor) != version:
+def _check_version(tensor: torch.Tensor, before: int | None) -> None:
+    if version(tensor) != before:
         raise EstimateError(
             f"the estimate changed a tensor of the user's in place ({tuple(tensor.shape)} "
             f"{str(tensor.dtype).removeprefix('torch.')}), which it could not copy; please report it"
         )  # pragma: no cover  (OutsideCopies hands every op copies)
-
-
-# -- reading objects ------------------------------------------------------------------------------
-def _attributes(obj: Any) -> dict[str, Any] | None:
-    try:
-        attributes = object.__getattribute__(obj, "__dict__")
-    except (AttributeError, TypeError):
-        return None
-    return attributes if type(attributes) is dict else None
-
-
-@functools.cache
-def _slot_descriptors(cls: type) -> tuple[Any, ...]:
-    found = []
-    for klass in cls.__mro__:
-        names = klass.__dict__.get("__slots__", ())
-        for name in (names,) if isinstance(names, str) else names:
-            descriptor = klass.__dict__.get(name)
-            if isinstance(descriptor, types.MemberDescriptorType):
-                found.append(descriptor)
-    return tuple(found)
-
-
-def _slots(cls: type) -> tuple[Any, ...]:
-    try:
-        return _slot_descriptors(cls)
-    except TypeError:  # an unhashable class
-        return ()
-
-
-def _has_slot(slot: Any, obj: Any) -> bool:
-    try:
-        slot.__get__(obj)
-    except AttributeError:
-        return False
-    return True
-
-
-def _cell(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return _MISSING
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor has none
-        return None
 
 
 def _position(generator: types.GeneratorType) -> int:
