@@ -395,3 +395,25 @@ def test_a_write_to_a_numpy_array_is_an_error_before_it_happens_naming_the_array
         "that copies it"
     )
     assert totals.tolist() == [0.0, 0.0, 0.0] and totals.flags.writeable
+
+
+def test_autobatch_runs_the_loss_for_real_only_on_its_micro_batches():
+    """The estimates that choose the micro-batch leave no trace: the user's list holds one real loss
+    per micro-batch run, and the counter counts those calls only."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    x, y = torch.randn(4096, 256), torch.randint(0, 10, (4096,))
+    calls = 0
+
+    def loss_fn(x, y):
+        nonlocal calls
+        calls += 1
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        LOSSES.append(loss.detach())
+        return loss
+
+    wrapped = memlab.autobatch(loss_fn, budget=32 * 2**20 + 2 * 32 * 2**20)
+    wrapped(x, y)
+
+    micro_batches = -(-4096 // wrapped.micro_batch_size)
+    assert 1 < micro_batches and calls == len(LOSSES) == micro_batches
+    assert not any(isinstance(loss, FakeTensor) for loss in LOSSES)
