@@ -101,7 +101,11 @@ class Isolation:
                     return
                 self._seen.add(id(obj))
                 self._keep.append(obj)
-                todo.extend(reversed(self._save(obj, path)))
+                try:
+                    held = self._save(obj, path)
+                except Exception:  # an object that cannot be read (a proxy, say)
+                    continue  # one whose state cannot be read cannot be saved either
+                todo.extend(reversed(held))
 
     # -- saving one object ----------------------------------------------------------------------
     def _save(self, obj: Any, path: tuple[Any, ...]) -> list[tuple[Any, tuple[Any, ...]]]:
@@ -110,7 +114,7 @@ class Isolation:
             self._tensor(obj)
             return []
         if isinstance(obj, types.ModuleType):
-            if _library(obj.__name__):
+            if _library(getattr(obj, "__name__", None)):
                 return []
             self._dict(vars(obj), namespace=True)
             return [(value, (*path, key)) for key, value in vars(obj).items() if key != "__builtins__"]

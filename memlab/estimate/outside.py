@@ -110,7 +110,7 @@ class OutsideCopies(TorchDispatchMode):
         self._mode = mode
         self._found = found
         self._host_scalar = host_scalar
-        self._storages = {id(t.untyped_storage()) for t in user_tensors.values() if not t.is_nested}
+        self._storages = {id(t.untyped_storage()) for t in user_tensors.values() if _plain(t)}
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}  # before the run
         self._skip = frozenset(mode.lift_fns) if mode is not None else frozenset()
@@ -139,11 +139,9 @@ class OutsideCopies(TorchDispatchMode):
         return value
 
     def _users(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        if not _plain(tensor):
             return False  # a fake tensor, or a subclass (DTensor) whose ops reach here flattened
-        if self._method == "fake":
-            return True
-        return not tensor.is_nested and id(tensor.untyped_storage()) in self._storages
+        return self._method == "fake" or id(tensor.untyped_storage()) in self._storages
 
     def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
         found = self._copies.get(id(tensor))
@@ -167,3 +165,8 @@ class OutsideCopies(TorchDispatchMode):
             self._found.append(tensor)
         self._copies[id(tensor)] = (tensor, new)
         return new
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A tensor with a storage of its own: not a subclass (a fake tensor, a DTensor), not nested."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_nested
