@@ -280,8 +280,8 @@ class Isolation:
         names = ", ".join(name for _, name in self._read_only)
         return EstimateError(
             f"the step wrote to a NumPy array it reaches outside its copies ({names}){_where(error)}; an "
-            f"estimate cannot copy NumPy arrays, and it never changes the user's objects: pass the step "
-            f"a tensor instead, or the array as an argument to a step that copies it"
+            f"estimate cannot copy NumPy arrays, and it never changes the user's objects: keep the values "
+            f"in a tensor instead (torch.from_numpy(array) shares them), which an estimate copies"
         )
 
 

@@ -391,8 +391,8 @@ def test_a_write_to_a_numpy_array_is_an_error_before_it_happens_naming_the_array
         "the step wrote to a NumPy array it reaches outside its copies (closure variable 'totals' of "
         "test_a_write_to_a_numpy_array_is_an_error_before_it_happens_naming_the_array_and_line.<locals>"
         f".step) at {__file__}:{line}: totals[0] += 1; an estimate cannot copy NumPy arrays, and it never "
-        "changes the user's objects: pass the step a tensor instead, or the array as an argument to a step "
-        "that copies it"
+        "changes the user's objects: keep the values in a tensor instead (torch.from_numpy(array) shares "
+        "them), which an estimate copies"
     )
     assert totals.tolist() == [0.0, 0.0, 0.0] and totals.flags.writeable
 
@@ -417,3 +417,16 @@ def test_autobatch_runs_the_loss_for_real_only_on_its_micro_batches():
     micro_batches = -(-4096 // wrapped.micro_batch_size)
     assert 1 < micro_batches and calls == len(LOSSES) == micro_batches
     assert not any(isinstance(loss, FakeTensor) for loss in LOSSES)
+
+
+def test_a_tensor_sharing_a_numpy_arrays_memory_is_copied_and_neither_changes():
+    array = numpy.zeros(3, dtype=numpy.float32)
+    totals = torch.from_numpy(array)
+
+    def step(x):
+        totals.add_(x.sum())
+        return x * 2
+
+    memlab.estimate(step, torch.randn(4), steps=2)
+
+    assert array.tolist() == [0.0, 0.0, 0.0] and totals._version == 0 and array.flags.writeable
