@@ -144,6 +144,24 @@ class Isolation:
             self._undo.append(functools.partial(restore_slot, slot, obj, value))
             if value is not MISSING:
                 held.append((value, (*path, f".{slot.__name__}")))
+        return held + self._methods(type(obj))
+
+    def _methods(self, cls: type) -> list[tuple[Any, tuple[Any, ...]]]:
+        """The functions of ``cls`` and its bases that the user wrote (``self.helper()`` reaches
+        them by attribute, not by a name the walk sees): their globals and closures are the step's."""
+        held: list[tuple[Any, tuple[Any, ...]]] = []
+        for klass in cls.__mro__:
+            if id(klass) in self._seen or _library(getattr(klass, "__module__", None)):
+                continue
+            self._seen.add(id(klass))
+            for name, value in vars(klass).items():
+                where = (f"{klass.__qualname__}.{name}",)
+                if isinstance(value, staticmethod | classmethod):
+                    held.append((value.__func__, where))
+                elif isinstance(value, property):
+                    held += [(f, where) for f in (value.fget, value.fset, value.fdel) if f is not None]
+                elif isinstance(value, types.FunctionType):
+                    held.append((value, where))
         return held
 
     def _container(self, obj: Any, path: tuple[Any, ...]) -> list[tuple[Any, tuple[Any, ...]]]:
