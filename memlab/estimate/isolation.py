@@ -6,8 +6,10 @@ losses to, a dict of EMA weights, a counter in a closure, the attributes of the 
 method it is, the random number generators. :class:`Isolation` saves the shallow state of every
 mutable object the step can reach before the estimate runs it (a journal: through the globals its
 functions name, their closure cells and defaults, a bound method's owner, the arguments, and
-recursively through lists, dicts, sets, deques, objects' ``__dict__`` and ``__slots__`` and the
-user's own modules) and puts it back when the estimate ends, also when it fails or is interrupted.
+recursively through lists, dicts, sets, deques, objects' ``__dict__`` and ``__slots__``, the
+methods of the classes the user wrote and the user's own modules; not into the standard library's,
+installed packages' or memlab's modules and functions) and puts it back when the estimate ends,
+also when it fails or is interrupted.
 A tensor the walk finds is not copied here: an estimate's ops never run on it
 (:class:`memlab.estimate.outside.OutsideCopies` hands them copies), and its ``grad`` and
 ``requires_grad`` are put back. NumPy arrays are made read-only for the run (a write is an
