@@ -84,7 +84,8 @@ class Isolation:
         self._checks: list[Callable[[], None]] = []
         self._read_only: list[tuple[Any, str]] = []  # NumPy arrays made read-only, and their paths
         self._warnings: warnings.catch_warnings[Any] | None = None
-        self._randoms = RandomStates()
+        with _disable_current_modes():  # its state tensors are no allocation of a tracker's
+            self._randoms = RandomStates()
         self.add(*roots)
 
     def add(self, *roots: Any) -> None:
