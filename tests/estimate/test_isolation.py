@@ -435,3 +435,60 @@ def test_a_tensor_sharing_a_numpy_arrays_memory_is_copied_and_neither_changes():
     memlab.estimate(step, torch.randn(4), steps=2)
 
     assert array.tolist() == [0.0, 0.0, 0.0] and totals._version == 0 and array.flags.writeable
+
+
+class Slotted:
+    __slots__ = ("count", "last")
+
+    def __init__(self):
+        self.count = 0
+
+
+def test_every_kind_of_container_and_slot_is_put_back():
+    import collections
+
+    seen_ids, recent = {1, 2}, collections.deque([0.0], maxlen=3)
+    ordered, grouped = collections.OrderedDict(a=1, b=2), collections.defaultdict(list)
+    slotted, raw, nested = Slotted(), bytearray(b"ab"), ([], {"inner": []})
+    state = types.SimpleNamespace(global_step=0, log=[])
+
+    def step(model, x):
+        loss = model(x).sum()
+        seen_ids.add(3)
+        recent.append(loss.detach())
+        ordered.move_to_end("a")
+        ordered["c"] = loss.detach()
+        grouped["losses"].append(loss.detach())
+        slotted.count += 1
+        slotted.last = loss.detach()
+        raw.extend(b"cd")
+        nested[0].append(loss.detach())
+        nested[1]["inner"].append(loss.detach())
+        state.global_step += 1
+        state.log.append(loss.detach())
+        return loss
+
+    objects = (seen_ids, recent, ordered, grouped, slotted, raw, nested, state)
+    memlab.estimate(step, torch.nn.Linear(16, 4), torch.randn(8, 16), steps=2)
+
+    assert seen_ids == {1, 2} and list(recent) == [0.0] and recent.maxlen == 3
+    assert list(ordered.items()) == [("a", 1), ("b", 2)] and dict(grouped) == {}
+    assert slotted.count == 0 and not hasattr(slotted, "last") and raw == b"ab"
+    assert nested == ([], {"inner": []}) and vars(state) == {"global_step": 0, "log": []}
+    assert_untouched([], *objects)
+
+
+def test_random_generators_the_step_reaches_are_put_back():
+    gen, rand, rng = torch.Generator().manual_seed(1), random.Random(1), numpy.random.default_rng(1)
+    states = (gen.get_state(), rand.getstate(), rng.bit_generator.state)
+
+    def step(x):
+        gen.manual_seed(99)
+        rand.random()
+        rng.random()
+        return x * 2
+
+    memlab.estimate(step, torch.randn(4), steps=2)
+
+    assert torch.equal(gen.get_state(), states[0])
+    assert (rand.getstate(), rng.bit_generator.state) == states[1:]
