@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memlab.estimate.restore import (
     MISSING,
     RandomStates,
+    TensorData,
     attributes,
     cell_value,
     has_slot,
@@ -227,9 +228,12 @@ class Isolation:
             return  # made by the estimate
         self.tensors[id(tensor)] = tensor
         before = version(tensor)
+        data = TensorData(tensor)  # `tensor.data = ...` swaps what the Python object holds
         if tensor.is_leaf:
             grad, requires_grad = tensor.grad, tensor.requires_grad
-            self._undo.append(lambda: restore_tensor(tensor, grad, requires_grad))
+            self._undo.append(lambda: restore_tensor(tensor, data, grad, requires_grad))
+        else:
+            self._undo.append(lambda: data.restore(tensor))
         self._checks.append(lambda: _check_version(tensor, before))
 
     def _generator(self, generator: types.GeneratorType, path: tuple[Any, ...]) -> None:

@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "MISSING",
     "RandomStates",
+    "TensorData",
     "attributes",
     "cell_value",
     "has_slot",
@@ -115,7 +116,31 @@ def restore_slot(slot: Any, obj: Any, value: Any) -> None:
         slot.__set__(obj, value)
 
 
-def restore_tensor(tensor: torch.Tensor, grad: torch.Tensor | None, requires_grad: bool) -> None:
+class TensorData:
+    """What a tensor's Python object holds (storage, shape, strides, offset, dtype), which
+    ``tensor.data = other`` replaces without an op (an EMA written ``ema.data = ...``), kept by an
+    alias of the same storage."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        plain = type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_nested
+        self.alias = tensor.detach() if plain else None
+        self.layout = _layout(tensor) if plain else None
+
+    def restore(self, tensor: torch.Tensor) -> None:
+        if self.alias is not None and _layout(tensor) != self.layout:
+            with torch.no_grad():
+                tensor.data = self.alias
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    storage = tensor.untyped_storage()._cdata if type(tensor) in (torch.Tensor, torch.nn.Parameter) else None
+    return (storage, tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device)
+
+
+def restore_tensor(
+    tensor: torch.Tensor, data: TensorData, grad: torch.Tensor | None, requires_grad: bool
+) -> None:
+    data.restore(tensor)
     if tensor.requires_grad != requires_grad:
         tensor.requires_grad_(requires_grad)
     if tensor.grad is not grad:

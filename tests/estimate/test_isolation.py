@@ -492,3 +492,22 @@ def test_random_generators_the_step_reaches_are_put_back():
 
     assert torch.equal(gen.get_state(), states[0])
     assert (rand.getstate(), rng.bit_generator.state) == states[1:]
+
+
+@pytest.mark.parametrize("method", ["fake", "cpu"])
+def test_an_ema_that_assigns_data_gets_its_own_storage_back(method):
+    def step(x):
+        loss = ema_step(x)
+        for value in EMA.values():
+            value.data = value * 0.5  # swaps the tensor's storage without an op
+        return loss
+
+    before = snapshot(*user_state())
+    storages = {name: value.untyped_storage().data_ptr() for name, value in EMA.items()}
+
+    estimate = run_estimate(step, lambda: ((torch.randn(8, 16),), {}), torch.device("cpu"), method=method)
+
+    assert estimate.method == method
+    assert_untouched(before, *user_state())
+    assert {name: value.untyped_storage().data_ptr() for name, value in EMA.items()} == storages
+    assert all(value.device.type == "cpu" for value in EMA.values())
