@@ -128,7 +128,8 @@ def estimate(
     is set back), so every tensor of the user's is bit-identical afterwards. What cannot be put
     back is an :class:`EstimateError`: a write to a NumPy array ``fn`` reaches (before it happens,
     naming the array and the line), a generator ``fn`` advanced (after the run). Objects of C
-    extensions other than these, and the globals of installed packages, are not saved.
+    extensions other than these, the globals of installed packages and memlab's own objects (a
+    tracker ``fn`` reaches keeps what it recorded) are not saved.
 
     ``device`` says whose kernels to mimic: ``"cuda"`` (the default when an argument is on a GPU),
     ``"cpu"``, ``"meta"``; default: the arguments' device type, else torch's default device. On a
