@@ -70,12 +70,12 @@ _ATOMS = (
 
 
 class Isolation:
-    """The saved state of everything ``roots`` reach (a step, the function that makes its
-    arguments); a context manager that puts it back on exit. :meth:`add` saves more roots (the
-    arguments, once made). ``tensors`` holds the user's tensors found (by ``id``), which an
-    estimate must never hand to an op."""
+    """The saved state of everything ``fn`` (the step) and ``make_arguments`` (the function that
+    makes its arguments) reach; a context manager that puts it back on exit. :meth:`add` saves
+    what the arguments reach, once they are made. ``tensors`` holds the user's tensors found (by
+    ``id``), which an estimate must never hand to an op."""
 
-    def __init__(self, *roots: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], make_arguments: Callable[..., Any]) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
         #: What the walk could not cover (one sentence each).
         self.caveats: list[str] = []
@@ -87,21 +87,26 @@ class Isolation:
         self._warnings: warnings.catch_warnings[Any] | None = None
         with _disable_current_modes():  # its state tensors are no allocation of a tracker's
             self._randoms = RandomStates()
-        self.add(*roots)
+        self._walk([(fn, ("the step",)), (make_arguments, ("the arguments",))])
 
-    def add(self, *roots: Any) -> None:
-        """Save the state of what ``roots`` reach, too (objects already saved are not saved again)."""
+    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Save the state of what the step's arguments reach, too (objects already saved are not
+        saved again)."""
+        named = [*enumerate(args), *kwargs.items()]
+        self._walk([(arg, ("the arguments", key)) for key, arg in named])
+
+    def _walk(self, roots: list[tuple[Any, tuple[Any, ...]]]) -> None:
         with _disable_current_modes():  # a generator's state is a tensor: a real one
-            todo: list[tuple[Any, tuple[Any, ...]]] = [(root, ("the step",)) for root in reversed(roots)]
+            todo = roots[::-1]
             while todo:
                 obj, path = todo.pop()
                 if isinstance(obj, _ATOMS) or id(obj) in self._seen:
                     continue
                 if len(self._seen) >= LIMIT:
-                    self.caveats.append(
+                    self.caveats[:] = [
                         f"the step reaches more than {LIMIT} objects; the estimate saved and restored "
                         f"the state of the first {LIMIT} only"
-                    )
+                    ]
                     return
                 self._seen.add(id(obj))
                 self._keep.append(obj)

@@ -511,3 +511,12 @@ def test_an_ema_that_assigns_data_gets_its_own_storage_back(method):
     assert_untouched(before, *user_state())
     assert {name: value.untyped_storage().data_ptr() for name, value in EMA.items()} == storages
     assert all(value.device.type == "cpu" for value in EMA.values())
+
+
+def test_a_write_to_a_numpy_array_passed_as_an_argument_names_the_argument():
+    def step(x, totals):
+        totals += 1
+        return x * 2
+
+    with pytest.raises(memlab.EstimateError, match=r"outside its copies \(the arguments\[1\]\) at "):
+        memlab.estimate(step, torch.randn(4), numpy.zeros(2))
