@@ -45,6 +45,9 @@ def state():
     norm = torch.nn.LayerNorm(4).requires_grad_(False)  # frozen: reached through a global dict
     HELPERS = {"norm": norm}
     yield
+    # no tensor of these outlives the test (later tests list the live tensors)
+    del MODEL, OPTIMIZER, EMA, LOSSES, STATS, HELPERS, DRAWS
+    COUNTER = 0
 
 
 # -- the test's own walk over the user's objects ---------------------------------------------------
