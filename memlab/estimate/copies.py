@@ -6,7 +6,8 @@ and every optimizer (its state, bound to the copied parameters) is replaced by a
 ``copy_tensor`` (a fake tensor, or a real CPU clone for a real run). What ``fn`` names directly
 (a global ``model``, a closure's ``optimizer``) is copied too: the function is rebuilt over a copy
 of its module's namespace in which those names, and the functions of the same module that ``fn``
-calls, are replaced. Other objects are passed as they are. A module sharded with FSDP2 or wrapped
+calls, are replaced. Other objects are passed as they are (what the call changes in them is
+undone when the estimate ends: :mod:`memlab.estimate.isolation`). A module sharded with FSDP2 or wrapped
 in DDP, which cannot be deep-copied, is copied without its wrapper and wrapped again
 (:mod:`memlab.estimate.sharded`); modules are copied before optimizers, so that each optimizer's
 copy is bound to the parameters of the modules' copies.

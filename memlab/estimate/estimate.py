@@ -34,7 +34,8 @@ from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import check_count, format_size
 from memlab.estimate.copies import Copier, named_objects
-from memlab.estimate.outside import outside_tensors, watch_outside
+from memlab.estimate.isolation import Isolation
+from memlab.estimate.outside import OutsideCopies, outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.result import HOW, Estimate, EstimateError
 from memlab.estimate.sizes import RealSizes
@@ -122,7 +123,20 @@ def estimate(
     directly as globals or closure variables (a global ``model``, also through the functions of
     its module it calls); a module passed as ``fn`` is copied, and so is the owner of a bound
     method. The user's objects are never touched, moved or given gradients. Other objects (lists
-    ``fn`` appends to, counters) are shared and changed as by a real call.
+    ``fn`` appends to, dicts it assigns, attributes it sets on ``self`` or on a module, counters in
+    globals and closures) are the user's own during the run, as in a real call (a list of losses
+    grows step after step and holds them), and are put back as they were when the estimate ends,
+    also when it fails or is interrupted (:mod:`memlab.estimate.isolation`): every object ``fn``
+    can reach through the globals its functions name, their closures and defaults, the owner of a
+    bound method, the arguments, containers, attributes and slots, up to
+    :data:`memlab.estimate.isolation.LIMIT` objects; so are the random number generators of torch,
+    ``random`` and NumPy. A tensor ``fn`` reaches that way is never handed to an op: each op gets a
+    copy of it, the same one all run long (``ema.mul_(0.5)`` changes the copy; its version counter
+    is set back), so every tensor of the user's is bit-identical afterwards. What cannot be put
+    back is an :class:`EstimateError`: a write to a NumPy array ``fn`` reaches (before it happens,
+    naming the array and the line), a generator ``fn`` advanced (after the run). Objects of C
+    extensions other than these, the globals of installed packages and memlab's own objects (a
+    tracker ``fn`` reaches keeps what it recorded) are not saved.
 
     ``device`` says whose kernels to mimic: ``"cuda"`` (the default when an argument is on a GPU),
     ``"cpu"``, ``"meta"``; default: the arguments' device type, else torch's default device. On a
@@ -251,9 +265,11 @@ def run_estimate(
     kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
-    with _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
+    isolation = Isolation(fn, make_arguments)  # the user's state, put back when the run ends
+    with isolation, _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
+        isolation.add(args, kwargs)
         copier.modules_first([*named_objects(fn), args, kwargs])
         call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))
         if with_grads:
@@ -281,7 +297,9 @@ def run_estimate(
                 copier.finish()  # wrappers that allocate when built (DDP's buckets), counted
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
-                with profiler or contextlib.nullcontext():
+                copies = OutsideCopies(method, mode, isolation.tensors, outside, _host_scalar)
+                with profiler or contextlib.nullcontext(), copies:
+                    isolation.protect()
                     result = None
                     for index in range(steps):
                         with call_context(copier, index) if call_context else contextlib.nullcontext():
@@ -311,7 +329,7 @@ def run_estimate(
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
         if tracker.forced_by is None:
-            caveats += outside_tensors(outside) + tracker.size_caveats + copier.caveats
+            caveats += outside_tensors(outside) + tracker.size_caveats + copier.caveats + isolation.caveats
             if device.type == "cuda":
                 caveats += tracker.workspaces.caveats()  # cuDNN's convolution workspaces
             if kernels is not None:

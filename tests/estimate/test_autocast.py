@@ -20,6 +20,7 @@ from memlab.estimate.autocast import CUDA_AUTOCAST_OPS
 from memlab.estimate.kernels import CudaKernels
 from memlab.sources.select import describe_source
 from memlab.sources.tracker import active_tracker
+from tests.estimate.recording import Record
 
 BLOCK = 512  # CUDACachingAllocator.cpp round_size: every block a multiple of 512 B, at least 512 B
 # The cuBLAS workspace the first matmul allocates once per handle and stream (CublasHandlePool.cpp,
@@ -47,7 +48,7 @@ Y16 = rounded(64 * 1024 * 2)
 
 
 def linear_step(keep: bool):
-    dtypes = []
+    dtypes = Record()
 
     def step(model, x):
         with torch.autocast("cuda", torch.bfloat16):
@@ -65,7 +66,7 @@ def test_linear_under_bf16_autocast_peaks_with_the_cast_copies():
     step, dtypes = linear_step(keep=False)
     model = torch.nn.Linear(1024, 1024, bias=False)
     estimate = memlab.estimate(step, model, torch.randn(64, 1024), device="cuda")
-    assert dtypes == [torch.bfloat16]
+    assert dtypes.list() == [torch.bfloat16]
     assert estimate.method == "fake"
     assert estimate.peak_allocated == W32 + X32 + W16 + X16 + Y16 + WORKSPACE
     # the outermost region exited (autocast.__exit__ -> clear_autocast_cache) and the output was
@@ -89,19 +90,20 @@ def test_the_graph_keeps_the_bf16_weight_only_when_backward_needs_it():
 
 
 def test_backward_casts_gradients_back_to_the_parameters_dtype():
-    found = {}
+    found = Record()
 
     def step(model, x):
         with torch.autocast("cuda", torch.bfloat16):
             y = model(x)
         transposed = y.grad_fn.next_functions[1][0]  # mm(input, weight.t()): the weight's branch
-        found["graph"] = [type(y.grad_fn).__name__, type(transposed).__name__]
-        found["graph"].append(type(transposed.next_functions[0][0]).__name__)  # cached_cast's _to_copy
+        graph = [type(y.grad_fn).__name__, type(transposed).__name__]
+        graph.append(type(transposed.next_functions[0][0]).__name__)  # cached_cast's _to_copy
+        found["graph"] = graph
         y.float().sum().backward()
         found["grad"] = model.weight.grad.dtype
 
     memlab.estimate(step, torch.nn.Linear(8, 8, bias=False), torch.randn(2, 8), device="cuda")
-    assert found == {"graph": ["MmBackward0", "TBackward0", "ToCopyBackward0"], "grad": torch.float32}
+    assert found.dict() == {"graph": ["MmBackward0", "TBackward0", "ToCopyBackward0"], "grad": torch.float32}
 
 
 # -- the op lists ------------------------------------------------------------------------------
@@ -240,7 +242,7 @@ def test_float16_softmax_takes_cudas_half_to_float_kernel():
 
 
 def test_checkpoint_recomputes_under_the_regions_autocast():
-    dtypes = []
+    dtypes = Record()
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -258,7 +260,8 @@ def test_checkpoint_recomputes_under_the_regions_autocast():
         y.float().sum().backward()
 
     memlab.estimate(step, Block(), torch.randn(2, 8, requires_grad=True), device="cuda")
-    assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward, then its recomputation in backward
+    # the forward, then its recomputation in backward
+    assert dtypes.list() == [torch.bfloat16, torch.bfloat16]
 
 
 # -- a transformer block ---------------------------------------------------------------------------
@@ -268,7 +271,7 @@ def policy_dtype(op: str) -> torch.dtype:
 
 
 def test_a_transformer_block_step_has_a_gpus_dtypes():
-    seen = []
+    seen = Record()
 
     def step(layer, x):
         hooks = [
@@ -285,7 +288,7 @@ def test_a_transformer_block_step_has_a_gpus_dtypes():
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
     estimate = memlab.estimate(step, layer, torch.randn(2, 16, 64), device="cuda")
     linear, layer_norm = policy_dtype("linear"), policy_dtype("layer_norm")
-    assert seen == [
+    assert seen.list() == [
         ("self_attn", linear),  # in_proj and out_proj: F.linear; attention: scaled_dot_product_attention
         ("dropout1", linear),  # dropout is on no list: its input's dtype
         ("norm1", layer_norm),  # of x + attention: float32 + bfloat16 promotes (add is on no list)
@@ -309,7 +312,7 @@ def _dtype(out):
 def scaler_step(make_scaler=None):
     """A float16 autocast step with a GradScaler, recording the tracker's allocated bytes after each
     of its calls (and the peak inside unscale_)."""
-    marks = {}
+    marks = Record()
 
     def step(model, opt, x, scaler=None):
         tracker = active_tracker()
@@ -334,7 +337,8 @@ def scaler_step(make_scaler=None):
     return step, marks
 
 
-def grad_scaler_deltas(marks):
+def grad_scaler_deltas(record):
+    marks = record.dict()
     return {
         "scale": marks["scale"] - marks["loss"],
         "unscale_ peak": marks["unscale_ peak"] - marks["backward"],
@@ -366,7 +370,7 @@ def test_a_grad_scaler_made_in_the_step_allocates_what_an_enabled_one_does():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     estimate = memlab.estimate(step, model, opt, torch.randn(8, 256), device="cuda")
     assert estimate.method == "fake"
-    assert marks["enabled"] is True
+    assert marks.dict()["enabled"] is True
     assert grad_scaler_deltas(marks) == SCALER
     assert estimate.substituted["grad_scaler"] == 1
     assert estimate.caveats == []
@@ -395,14 +399,14 @@ def test_a_grad_scaler_made_disabled_stays_disabled():
     estimate = memlab.estimate(
         step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 256), device="cuda"
     )
-    assert marks["enabled"] is False
+    assert marks.dict()["enabled"] is False
     assert grad_scaler_deltas(marks) == dict.fromkeys(SCALER, 0)
     assert "grad_scaler" not in estimate.substituted
 
 
 # -- real CPU runs: said, not modelled --------------------------------------------------------------
 def test_a_real_cpu_estimate_says_the_region_ran_in_float32():
-    dtypes = []
+    dtypes = Record()
 
     def step(model, x):
         with torch.autocast("cuda", torch.bfloat16):
@@ -415,7 +419,7 @@ def test_a_real_cpu_estimate_says_the_region_ran_in_float32():
         warnings.simplefilter("ignore")  # PyTorch's "Disabling autocast" in the real run
         estimate = memlab.estimate(step, torch.nn.Linear(8, 8), torch.randn(2, 8), device="cuda")
     assert estimate.method == "cpu"
-    assert dtypes == [torch.bfloat16, torch.float32]  # the fake run (given up), then the real one
+    assert dtypes.list() == [torch.bfloat16, torch.float32]  # the fake run (given up), then the real one
     assert estimate.caveats[0] == (
         "torch.autocast('cuda', dtype=torch.bfloat16) ran disabled, in float32 for float32 inputs: PyTorch "
         "without CUDA disables it; on a GPU, CUDA's autocast (aten/src/ATen/autocast_mode.cpp) runs "
