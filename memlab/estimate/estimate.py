@@ -34,6 +34,7 @@ from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import check_count, format_size
 from memlab.estimate.copies import Copier, named_objects
+from memlab.estimate.deepcopy import fake_deepcopy
 from memlab.estimate.outside import outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.result import HOW, Estimate, EstimateError
@@ -240,7 +241,12 @@ def run_estimate(
     kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
-    with _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
+    with (
+        _disable_current_modes(),
+        mode or contextlib.nullcontext(),
+        fake_tensor_logs_quiet(),
+        fake_deepcopy() if mode else contextlib.nullcontext(),
+    ):
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
         copier.modules_first([*named_objects(fn), args, kwargs])
