@@ -11,9 +11,9 @@ what the real one allocates, through the fake mode, so the estimate's tracker co
 tracked real run does: a new storage of the source's whole storage (a view copies all of it; views
 of one storage deep-copied together share one copy), then the 0-dim ``new_empty([])`` that
 ``set_`` points at that storage (a block held for a moment), as a detached strided view of the
-copy; a ``Parameter`` as ``Parameter.__deepcopy__`` does (a clone of its own elements); with its ``requires_grad``, its
-gradient's copy and its Python attributes (``_is_param``). A constant is cloned instead, so its
-value stays readable (a view of a constant then copies only its own elements).
+copy, with its ``requires_grad``, its gradient's copy and its Python attributes; a ``Parameter``
+as ``Parameter.__deepcopy__`` does (a clone of its own elements, no gradient). A constant is
+cloned, so its value stays readable (a view of a constant then copies only its own elements).
 """
 
 from __future__ import annotations
