@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -55,24 +54,21 @@ def tracked_run(model, optimizer, x, y):
     return {key: stats[key] for key in KEYS}
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_an_ema_step_estimates_what_the_tracked_real_run_allocates(device):
+def test_an_ema_step_estimates_what_the_tracked_real_run_allocates():
     torch.manual_seed(0)
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     state = {key: value.clone() for key, value in net.state_dict().items()}
 
-    estimate = memlab.estimate(ema_step, net, optimizer, x, y, device=device)
+    estimate = memlab.estimate(ema_step, net, optimizer, x, y, device="cpu")
 
     assert estimate.method == "fake"
     assert all(torch.equal(state[key], value) for key, value in net.state_dict().items())
     assert FakeTensor.__dict__.get("__deepcopy__") is None  # the estimate's copy is gone with it
+    assert all(p.grad is None for p in net.parameters()) and not optimizer.state
     real = tracked_run(net, optimizer, x, y)
-    if device == "cpu":
-        assert {key: estimate.stats[key] for key in KEYS} == real
-    else:  # CUDA's kernels: the same copies, the optimizer's foreach kernels differ
-        assert estimate.stats["allocation.all.allocated"] > 0
+    assert {key: estimate.stats[key] for key in KEYS} == real
 
 
 def deep_copies(tracker: memlab.TensorTracker) -> tuple[int, int, tuple[torch.Tensor, ...]]:
