@@ -30,6 +30,7 @@ __all__ = [
     "storages_of",
     "tensor_classes",
     "tensors_within",
+    "unwrap_optimizer",
 ]
 
 #: The accessors of a sparse layout's component tensors, in the order they are listed.
@@ -49,13 +50,34 @@ def check_tensor(tensor: object) -> None:
 
 
 def check_optimizer(optimizer: object) -> None:
-    """``TypeError`` unless ``optimizer`` is a ``torch.optim.Optimizer`` (what the tracker and the
-    reporter take to find optimizer state)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW), "
-            f"got {type(optimizer).__name__} {optimizer!r:.80}"
-        )
+    """``TypeError`` unless ``optimizer`` is a ``torch.optim.Optimizer`` or a wrapper of one (see
+    :func:`unwrap_optimizer`)."""
+    unwrap_optimizer(optimizer)
+
+
+def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` whose ``step`` updates the parameters for ``optimizer``: the
+    optimizer itself, or the one a wrapper holds as ``.optimizer`` (accelerate's
+    ``AcceleratedOptimizer``, which derives from ``Optimizer`` without running its ``__init__``, so
+    it has no step hooks of its own) or ``._optimizer`` (Lightning's ``LightningOptimizer``),
+    followed through wrappers of wrappers. ``TypeError`` for anything else."""
+    found = optimizer
+    for _ in range(8):  # wrappers of wrappers; a cycle of wrappers ends here
+        if isinstance(found, torch.optim.Optimizer) and "_optimizer_step_post_hooks" in vars(found):
+            return found  # initialised by torch.optim.Optimizer.__init__: its own step hooks
+        inner = getattr(found, "optimizer", None)
+        if inner is None:
+            inner = getattr(found, "_optimizer", None)
+        if inner is None or inner is found:
+            break
+        found = inner
+    if isinstance(found, torch.optim.Optimizer):
+        return found
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW) or an object that wraps one "
+        f"as .optimizer (accelerate's AcceleratedOptimizer) or ._optimizer (Lightning's "
+        f"LightningOptimizer), got {type(optimizer).__name__} {optimizer!r:.80}"
+    )
 
 
 def tensor_classes() -> set[type]:

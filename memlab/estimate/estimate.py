@@ -34,6 +34,7 @@ from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import check_count, format_size
 from memlab.estimate.copies import Copier, named_objects
+from memlab.estimate.deepcopy import fake_deepcopy
 from memlab.estimate.isolation import Isolation
 from memlab.estimate.outside import OutsideCopies, outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
@@ -266,7 +267,13 @@ def run_estimate(
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
     isolation = Isolation(fn, make_arguments)  # the user's state, put back when the run ends
-    with isolation, _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
+    with (
+        isolation,
+        _disable_current_modes(),
+        mode or contextlib.nullcontext(),
+        fake_tensor_logs_quiet(),
+        fake_deepcopy() if mode else contextlib.nullcontext(),
+    ):
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
         isolation.add(args, kwargs)

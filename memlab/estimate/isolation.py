@@ -204,10 +204,19 @@ class Isolation:
         namespace = fn.__globals__
         if _library(namespace.get("__name__")):
             # its globals are the library's; what its closure holds may be the user's (the
-            # `make_batch` inside the function max_batch_size makes a step's arguments with)
-            return [
-                (cell_value(cell), path) for cell in fn.__closure__ or () if cell_value(cell) is not MISSING
-            ]
+            # `make_batch` inside the function max_batch_size makes a step's arguments with). A
+            # list, dict or set in its closure is the library's own (an integration's record of
+            # what its runs made): its items are walked, the container is neither saved nor put back.
+            held = []
+            for cell in fn.__closure__ or ():
+                value = cell_value(cell)
+                if type(value) in (list, set):
+                    held += [(item, path) for item in value]
+                elif type(value) is dict:
+                    held += [(item, (*path, key)) for key, item in value.items()]
+                elif value is not MISSING:
+                    held.append((value, path))
+            return held
         held: list[tuple[Any, tuple[Any, ...]]] = []
         if id(namespace) not in self._seen:  # names a step assigns with `global` live here
             self._seen.add(id(namespace))

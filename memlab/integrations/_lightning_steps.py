@@ -11,10 +11,9 @@ and nothing the user's trainer holds is read or written but its configuration.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,6 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["Schedule", "StandInTrainer", "fit_steps", "schedule"]
@@ -208,42 +206,8 @@ class Batches:
         return tree_map_only(torch.Tensor, torch.Tensor.clone, self.sources[index])
 
 
-@contextlib.contextmanager
-def copyable_constants() -> Iterator[None]:
-    """While entered, ``copy.deepcopy`` of a fake tensor is a clone made by the fake mode (counted by
-    the estimate's tracker, as the real copy is a new storage on the device). ``Tensor.__deepcopy__``
-    clones the storage by hand, which a fake tensor's storage (and the real CPU tensor it keeps as
-    its value, for ``torch.tensor(0.0)``) cannot do inside a fake mode (``Attempted to set the
-    storage of a tensor on device "meta"``); torchmetrics deep-copies each state's default when
-    Lightning's ``self.log`` makes its first metric."""
-    saved = FakeTensor.__dict__.get("__deepcopy__")
-
-    def deepcopy(self: FakeTensor, memo: dict[int, Any]) -> Any:
-        found = memo.get(id(self))
-        if found is None:
-            with torch.no_grad():
-                found = self.clone()
-            found.requires_grad_(self.requires_grad)
-            memo[id(self)] = found
-        return found
-
-    FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if saved is None:
-            del FakeTensor.__deepcopy__
-        else:
-            FakeTensor.__deepcopy__ = saved  # type: ignore[method-assign]
-
-
 def fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plugin: Any) -> None:
     """Run ``module`` (a copy) through the batches of ``plan`` as ``Trainer.fit`` would."""
-    with copyable_constants():
-        _fit_steps(module, batches, plan, trainer, plugin)
-
-
-def _fit_steps(module: Any, batches: Batches, plan: Schedule, trainer: Any, plugin: Any) -> None:
     stand_in = StandInTrainer(trainer, module, plugin)
     module._trainer = stand_in
     _convert_module(plugin, module)

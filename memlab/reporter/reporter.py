@@ -18,7 +18,7 @@ import torch
 
 from memlab._devices import DeviceLike
 from memlab._outputs import check_stream
-from memlab._tensors import check_optimizer, reachable_tensors
+from memlab._tensors import reachable_tensors, unwrap_optimizer
 from memlab._user_code import user_frame
 from memlab.history.categories import BUFFER, GRADIENT, OPTIMIZER_STATE, PARAMETER, UNKNOWN
 from memlab.reporter.diff import SnapshotDiff
@@ -114,7 +114,7 @@ class MemReporter:
         ``<param>`` is the parameter's name in the model, or its index in the optimizer's
         ``state_dict()`` when the reporter has no model or the model does not hold it.
         """
-        check_optimizer(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         if all(ref() is not optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memlab._tensors import check_optimizer, check_tensor
+from memlab._tensors import check_tensor, unwrap_optimizer
 from memlab.history import categories
 from memlab.history.recorder import Stack
 from memlab.history.series import memory_series
@@ -62,8 +62,13 @@ class TrackerCategories:
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Categorise the tensors of ``optimizer.state`` as ``optimizer_state`` in the history, after
         each ``step()`` while the tracker is active and at :meth:`snapshot` / :meth:`by_category`.
-        Only with ``history`` on; the tracker keeps a weak reference to the optimizer."""
-        check_optimizer(optimizer)
+        Only with ``history`` on; the tracker keeps a weak reference to the optimizer.
+
+        ``optimizer`` is a ``torch.optim.Optimizer`` or a wrapper of one (accelerate's
+        ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): the tracker keeps the
+        optimizer it wraps (:func:`memlab._tensors.unwrap_optimizer`), which :attr:`optimizers`
+        lists. Anything else is a ``TypeError``."""
+        optimizer = unwrap_optimizer(optimizer)
         if all(ref() is not optimizer for ref in self._optimizers):
             self._optimizers.append(weakref.ref(optimizer))
             if self._categorising:

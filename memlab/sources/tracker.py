@@ -30,6 +30,7 @@ from memlab._units import parse_size
 from memlab.history.recorder import make_history
 from memlab.sources.adoption import TrackerAdoption
 from memlab.sources.categorising import TrackerCategories
+from memlab.sources.constructors import follow_new_storages
 from memlab.sources.device_memory import ALLOCATORS, OOM_OBSERVERS, TrackerDeviceMemory
 from memlab.sources.modules import ModuleRecorder
 from memlab.sources.resizes import follow_resizes, sizes_before
@@ -142,7 +143,9 @@ class TensorTracker(
     What a tracker cannot see: cuBLAS workspaces on a real GPU (the GPU's allocator holds them),
     cuDNN workspaces and temporaries allocated inside a single op, the CUDA context, NCCL buffers
     and what collectives allocate in C++ (gloo's reduce-scatter copies its input), memory allocated
-    outside PyTorch's dispatcher (``torch.UntypedStorage(n)``, ``torch.from_numpy``, C extensions),
+    outside PyTorch's dispatcher and the storage constructor (``torch.from_numpy``, C extensions;
+    storages made with ``torch.UntypedStorage(n)``, ``storage.clone()`` or ``copy.deepcopy`` do
+    count: :mod:`memlab.sources.constructors`),
     storages resized while it is not active or by C++ code, ``torch.cuda.empty_cache()`` calls in
     the measured code, and backend choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
@@ -218,6 +221,7 @@ class TensorTracker(
         self._lock = threading.RLock()  # the counting state, shared by every thread that counts
         self._stop_following: Any = None
         self._stop_resizes: Any = None
+        self._stop_constructors: Any = None
         #: Names of the threads (not daemons) that were running when the tracker became active and
         #: whose ops it does not count, by thread ident (see the class docstring).
         self.threads_not_counted: dict[int, str] = {}
@@ -249,6 +253,7 @@ class TensorTracker(
             self.threads_not_counted.update(unreachable_threads(self._inherited))
             self._stop_following = follow_new_threads(self._enter_new_thread)
             self._stop_resizes = follow_resizes(self._storage_resized)
+            self._stop_constructors = follow_new_storages(self._storage_made)
             watch(self.disabled_cuda_autocast)
         self.threads_not_counted.pop(threading.get_ident(), None)
         if self.adopt_on_enter and not self.adoptions:
@@ -284,7 +289,8 @@ class TensorTracker(
         if last:
             self._stop_following()
             self._stop_resizes()
-            self._stop_following = self._stop_resizes = None
+            self._stop_constructors()
+            self._stop_following = self._stop_resizes = self._stop_constructors = None
             unwatch(self.disabled_cuda_autocast)
             if self.module_recorder is not None:
                 self.module_recorder.stop()
@@ -363,3 +369,16 @@ class TensorTracker(
             return
         if any(mode is self for mode in _get_current_dispatch_mode_stack()):
             self._count_resize(storage)
+
+    def _storage_made(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was just made from Python, outside the dispatcher (``copy.deepcopy``,
+        ``UntypedStorage(n)``, ``storage.clone()``: :mod:`memlab.sources.constructors`), in any
+        thread: count it once, where this thread's ops reach the tracker."""
+        if not self._entries or self._left_behind:
+            return
+        if any(mode is self for mode in _get_current_dispatch_mode_stack()):
+            with self._lock:
+                if self._pending:
+                    self._drain()
+                if id(storage) not in self._live:
+                    self._track(storage)

@@ -59,3 +59,53 @@ def test_prepared_model_and_optimizer_estimate_as_a_tracked_run(mixed_precision)
         stats = tracker.memory_stats()
     del loss
     assert {key: estimate.stats[key] for key in KEYS} == {key: stats[key] for key in KEYS}
+
+
+def blocks(tensors) -> int:
+    """Bytes the CUDA caching allocator gives these tensors' distinct storages (512 B blocks)."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(-(-nbytes // 512) * 512 for nbytes in storages.values())
+
+
+@pytest.mark.parametrize("how", ["constructor", "add_optimizer", "add_optimizer_while_active"])
+def test_a_prepared_optimizer_registers_with_the_tracker_and_its_state_is_categorised(how):
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(64, 64)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert type(optimizer).__name__ == "AcceleratedOptimizer"
+    x = torch.randn(8, 64)
+
+    tracker = memlab.TensorTracker(history=True, optimizer=optimizer if how == "constructor" else None)
+    if how == "add_optimizer":
+        tracker.add_optimizer(optimizer)
+    with tracker:
+        if how == "add_optimizer_while_active":
+            tracker.add_optimizer(optimizer)
+        accelerator.backward(model(x).sum())
+        optimizer.step()
+
+    assert tracker.optimizers == [optimizer.optimizer]  # the AdamW it wraps, whose step hooks fire
+    state = [t for per_param in optimizer.optimizer.state.values() for t in per_param.values()]
+    # exp_avg and exp_avg_sq of the weight (16 KiB each) and the bias (256 B -> 512 B), two steps
+    assert (
+        tracker.by_category(at="now")[categories.OPTIMIZER_STATE]
+        == blocks(state)
+        == 2 * (16384 + 512) + 2 * 512
+    )
+
+
+def test_a_lightning_optimizer_is_unwrapped_and_anything_else_is_a_type_error():
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from memlab._tensors import unwrap_optimizer
+
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert unwrap_optimizer(LightningOptimizer(inner)) is inner
+    assert unwrap_optimizer(inner) is inner
+    with pytest.raises(TypeError) as error:
+        memlab.TensorTracker(optimizer=torch.nn.Linear(2, 2))
+    assert str(error.value) == (
+        "optimizer must be a torch.optim.Optimizer (e.g. torch.optim.AdamW) or an object that wraps one "
+        "as .optimizer (accelerate's AcceleratedOptimizer) or ._optimizer (Lightning's LightningOptimizer), "
+        "got Linear Linear(in_features=2, out_features=2, bias=True)"
+    )
