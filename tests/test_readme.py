@@ -5,7 +5,11 @@
 - consecutive ```` ```ipython ```` blocks are the cells of one IPython session;
 - each line of a ```` ```bash ```` block is a command run in a directory holding the example
   (``memlab/examples/train.py``); of an install chain (``python3 -m venv ... && X``) the test runs
-  ``X``: installing is what ``.ci/run`` does with the test command, which is not run here again.
+  ``X``: installing is what ``.ci/run`` does with the test command, which is not run here again;
+- a ```` ```console ```` block is a terminal session: each ``$ `` line is a command run in a directory
+  holding the repository's ``memlab/`` and ``tests/`` (so ``tests/data/configs/...`` resolves), and the
+  lines after it, up to the next ``$ ``, are exactly what it prints (stdout, then stderr); it exits 0,
+  or 2 where what it prints is a one-line ``error:``.
 """
 
 from __future__ import annotations
@@ -64,6 +68,18 @@ def command_blocks() -> list[tuple[list[str], int]]:
     return found
 
 
+def console_sessions() -> list[tuple[str, str, int]]:
+    """``(command, expected output, line)`` of every ``$ `` line of the console blocks."""
+    found = []
+    for language, code, line in blocks():
+        if language != "console":
+            continue
+        for chunk in re.split(r"^\$ ", code, flags=re.MULTILINE)[1:]:
+            command, _, output = chunk.partition("\n")
+            found.append((command, output, line))
+    return found
+
+
 def run(command: list[str] | str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in ``cwd`` with the test's interpreter first on PATH (its ``memlab``)."""
     bin_dir = str(Path(sys.executable).parent)
@@ -113,3 +129,13 @@ def test_commands_run_as_shown(commands, line, tmp_path):
             source = r"^modelled.*: CUDA caching allocator replayed from cpu tensors"
             assert re.search(source, result.stdout, re.M), command
             assert "\n## train_step" in result.stdout, command
+
+
+@pytest.mark.parametrize(("command", "expected", "line"), console_sessions(), ids=lambda v: str(v)[:0])
+def test_console_sessions_print_what_the_readme_shows(command, expected, line, tmp_path):
+    for name in ("memlab", "tests"):
+        (tmp_path / name).symlink_to(ROOT / name, target_is_directory=True)
+    result = run(command, tmp_path)
+    printed = result.stdout + result.stderr
+    assert printed == expected, f"README.md line {line}: {command}"
+    assert result.returncode == (2 if ": error: " in printed else 0), f"README.md line {line}: {command}"

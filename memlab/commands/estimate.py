@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from memlab._gpus import GPU, GPUS, resolve_gpu
+from memlab._progress import Progress
 from memlab._units import format_size, parse_size
 from memlab.commands._command import CommandError
 from memlab.history import categories
@@ -189,7 +190,10 @@ class EstimateCommand:
             gpu=gpu,
         )
         try:
-            estimate, counted = estimate_training(recipe, setup)
+            with Progress("estimate") as shown:  # on a terminal only (memlab._progress)
+                shown.update(f"estimating {setup.steps} step(s) of {recipe.name}")
+                estimate, counted = estimate_training(recipe, setup)
+                shown.done(f"peak reserved {format_size(estimate.peak_reserved)}")
             fit = largest_batch(recipe, setup, budget) if args.max_batch_size else None
         except ValueError as error:  # a model that cannot train as asked (no checkpointing switch)
             raise CommandError(str(error)) from None

@@ -171,7 +171,6 @@ def max_batch_size(
     if high is not None:
         high = check_count(high, "high", low)
     steps = check_count(steps, "steps", 1)
-    extra = parse_size(headroom, name="headroom")
     if device is not None:
         target = parse_device(device, name="device")
     elif torch.cuda.is_available() or gpu is not None:
@@ -179,33 +178,70 @@ def max_batch_size(
     else:
         target = torch.get_default_device()
     modelled = modelled_gpu(gpu)
-    limit = default_budget(target, modelled) if budget is None else parse_size(budget, name="budget")
-    if extra >= limit:
-        raise ValueError(
-            f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
-        )
-    found: dict[int, Estimate | None] = {}
-    shown = Progress("max_batch_size", progress=progress)
+    limit, extra = budget_in_bytes(budget, headroom, target, modelled)
 
     def estimate(size: int, capacity: int | None) -> Estimate:
         arguments = lambda: call_arguments(make_batch(size))  # noqa: E731
         return run_estimate(step, arguments, target, steps=steps, capacity=capacity, gpu=modelled)
 
+    return search_batch_size(estimate, limit, extra, steps, low=low, high=high, progress=progress)
+
+
+def budget_in_bytes(
+    budget: int | str | None, headroom: int | str, target: torch.device, gpu: GPU
+) -> tuple[int, int]:
+    """``(budget, headroom)`` in bytes, as a batch finder takes them: ``budget`` a size (``"16 GiB"``)
+    or by default :func:`default_budget` of ``target`` and ``gpu``; ``ValueError`` unless the
+    headroom is less than the budget."""
+    extra = parse_size(headroom, name="headroom")
+    limit = default_budget(target, gpu) if budget is None else parse_size(budget, name="budget")
+    if extra >= limit:
+        raise ValueError(
+            f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
+        )
+    return limit, extra
+
+
+def search_batch_size(
+    run: Callable[[int, int | None], Estimate],
+    budget: int,
+    headroom: int,
+    steps: int,
+    *,
+    low: int = 1,
+    high: int | None = None,
+    progress: bool | None = None,
+    task: str = "max_batch_size",
+) -> BatchFit:
+    """The search every batch finder runs (:func:`max_batch_size`, the trainers' integrations,
+    ``memlab estimate --max-batch-size``): ``run(size, capacity)`` estimates ``steps`` steps at batch
+    ``size`` under a modelled allocator of ``capacity`` bytes (``None``: unbounded), raising
+    ``torch.OutOfMemoryError`` where they do not fit. Sizes are searched by doubling from ``low``,
+    then bisection (:func:`search`), each in ``budget - headroom`` bytes (both in bytes); without
+    ``high``, a step whose memory does not grow with the batch is a ``ValueError``. The size above
+    the answer is estimated once more without a capacity, for what it needs. ``progress`` and
+    ``task`` name the progress line (:class:`memlab._progress.Progress`). Returns a
+    :class:`BatchFit`."""
+    found: dict[int, Estimate | None] = {}
+    shown = Progress(task, progress=progress)
+
     def fits(size: int) -> bool:
         if size not in found:
             shown.update(f"trying batch {size} (estimate {len(found) + 1})", logging.DEBUG)
-            found[size] = fitting_estimate(lambda capacity: estimate(size, capacity), limit - extra)
+            found[size] = fitting_estimate(lambda capacity: run(size, capacity), budget - headroom)
             if high is None:
                 _check_growth(found, size)
-            shown.update(_outcome(size, found[size], limit - extra, len(found)))
+            shown.update(_outcome(size, found[size], budget - headroom, len(found)))
         return found[size] is not None
 
     with shown:
         good, bad = search(fits, low, high)
         if bad is not None:
             shown.update(f"estimating what batch {bad} needs (estimate {len(found) + 1})", logging.DEBUG)
-        needs = None if bad is None else estimate(bad, None)
-        fit = BatchFit(good, found.get(good), needs, len(found) + (bad is not None), limit, extra, steps, bad)
+        needs = None if bad is None else run(bad, None)
+        fit = BatchFit(
+            good, found.get(good), needs, len(found) + (bad is not None), budget, headroom, steps, bad
+        )
         shown.done(repr(fit))
     return fit
 

@@ -24,16 +24,9 @@ from torch.utils._pytree import tree_map_only
 
 from memlab._devices import parse_device
 from memlab._gpus import GpuLike
-from memlab._units import check_count, format_size, parse_size
+from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
-from memlab.estimate.fit import (
-    BatchFit,
-    _check_growth,
-    default_budget,
-    fitting_estimate,
-    modelled_gpu,
-    search,
-)
+from memlab.estimate.fit import BatchFit, budget_in_bytes, modelled_gpu, search_batch_size
 from memlab.integrations._lightning_callback import MemlabCallback
 
 __all__ = ["MemlabCallback", "estimate", "max_batch_size"]
@@ -101,6 +94,7 @@ def max_batch_size(
     device: torch.device | str | None = None,
     gpu: GpuLike | None = None,
     apply: bool = False,
+    progress: bool | None = None,
 ) -> BatchFit:
     """The largest batch size whose ``steps`` optimizer steps of ``trainer.fit`` fit in ``budget``
     minus ``headroom`` bytes: Lightning's ``BatchSizeFinder`` contract, found by estimates
@@ -116,20 +110,16 @@ def max_batch_size(
     bisection (see :func:`memlab.max_batch_size`); ``budget``: bytes or a size such as
     ``"16 GiB"``, by default :func:`memlab.estimate.fit.default_budget` (the free GPU memory, or the
     active :class:`~memlab.TensorTracker`'s capacity). Dataloaders passed to ``fit`` directly
-    cannot be resized: a ``ValueError``, as in Lightning.
+    cannot be resized: a ``ValueError``, as in Lightning. ``progress``: a line on stderr says which
+    batch is being tried (as for :func:`memlab.max_batch_size`: on a terminal, unless ``False`` or
+    ``MEMLAB_PROGRESS=0``).
     """
     low = check_count(low, "low", 1)
     if high is not None:
         high = check_count(high, "high", low)
     owner, where = _batch_size_owner(module, datamodule, batch_arg_name)
-    extra = parse_size(headroom, name="headroom")
     target = _device(device)
-    limit = default_budget(target, modelled_gpu(gpu)) if budget is None else parse_size(budget, name="budget")
-    if extra >= limit:
-        raise ValueError(
-            f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
-        )
-    found: dict[int, Estimate | None] = {}
+    limit, extra = budget_in_bytes(budget, headroom, target, modelled_gpu(gpu))
 
     def sized(size: int) -> tuple[Any, Any]:
         new_owner = _with_batch_size(owner, where, batch_arg_name, size)
@@ -137,25 +127,20 @@ def max_batch_size(
             return new_owner, datamodule
         return module, new_owner
 
-    def fits(size: int) -> bool:
-        if size not in found:
-            run, _ = _prepared(trainer, *sized(size), None, steps, device, gpu)
-            found[size] = fitting_estimate(run, limit - extra)
-            if high is None:
-                _check_growth(found, size)  # a dataset smaller than the batch: every size the same
-        return found[size] is not None
+    def run(size: int, capacity: int | None) -> Estimate:
+        return _prepared(trainer, *sized(size), None, steps, device, gpu)[0](capacity)
 
     if high is None:  # a batch is never larger than the dataset (BatchSizeFinder stops there too)
         high = _dataset_length(_train_loader(*sized(low), None))
         if high is not None:
             high = max(high, low)
-    good, bad = search(fits, low, high)
-    needs = None
-    if bad is not None:
-        needs = _prepared(trainer, *sized(bad), None, steps, device, gpu)[0](None)
+    fit = search_batch_size(
+        run, limit, extra, steps, low=low, high=high, progress=progress, task="Lightning max_batch_size"
+    )
+    good = fit.batch_size
     if apply and good:
         _set_batch_size(owner, where, batch_arg_name, good)
-    return BatchFit(good, found.get(good), needs, len(found) + (bad is not None), limit, extra, steps, bad)
+    return fit
 
 
 def _device(device: torch.device | str | None) -> torch.device:

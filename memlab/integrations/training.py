@@ -25,7 +25,7 @@ import torch
 from memlab._gpus import DEFAULT_GPU, GPU
 from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
-from memlab.estimate.fit import BatchFit, fitting_estimate, search
+from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
 
 __all__ = [
@@ -247,23 +247,25 @@ def estimate_training(recipe: ModelRecipe, setup: TrainingSetup) -> tuple[Estima
 
 
 def largest_batch(
-    recipe: ModelRecipe, setup: TrainingSetup, budget: int, high: int | None = None
+    recipe: ModelRecipe,
+    setup: TrainingSetup,
+    budget: int,
+    high: int | None = None,
+    progress: bool | None = None,
 ) -> BatchFit:
     """The largest batch size (from 1, up to ``high``) whose ``setup.steps`` steps run in a modelled
     allocator of ``budget`` bytes without running out of memory, searched by doubling then
     bisection as :func:`memlab.max_batch_size` does; each size builds the model anew (data-free).
-    A language model's memory grows with its batch, so the search ends without ``high``."""
+    A language model's memory grows with its batch, so the search ends without ``high``.
+    ``progress``: the search's line on stderr (:func:`memlab.estimate.fit.search_batch_size`)."""
     counted = ParameterCount()
-    found: dict[int, Estimate | None] = {}
-
-    def fits(size: int) -> bool:
-        if size not in found:
-            found[size] = fitting_estimate(
-                lambda capacity: _estimate(recipe, setup, size, capacity, counted, mesh), budget
-            )
-        return found[size] is not None
-
     with _job(recipe, setup) as mesh:
-        good, bad = search(fits, 1, high)
-        needs = None if bad is None else _estimate(recipe, setup, bad, None, counted, mesh)
-    return BatchFit(good, found.get(good), needs, len(found) + (bad is not None), budget, 0, setup.steps, bad)
+        return search_batch_size(
+            lambda size, capacity: _estimate(recipe, setup, size, capacity, counted, mesh),
+            budget,
+            0,
+            setup.steps,
+            high=high,
+            progress=progress,
+            task="estimate --max-batch-size",
+        )

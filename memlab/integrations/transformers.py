@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._gpus import GpuLike, resolve_gpu
-from memlab._units import check_count, format_size
+from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, _target, run_estimate
 from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
@@ -196,6 +196,7 @@ def max_batch_size(
     headroom: int | str = 0,
     device: torch.device | str | None = None,
     gpu: GpuLike | None = None,
+    progress: bool | None = None,
 ) -> TrainerBatchFit:
     """The largest ``per_device_train_batch_size`` at which ``steps`` optimizer steps of
     ``trainer`` (as :func:`estimate` runs them) fit in ``budget`` bytes less ``headroom``, and the
@@ -208,37 +209,25 @@ def max_batch_size(
     :func:`memlab.max_batch_size`'s (the GPU's free memory; the capacity of the active
     ``TensorTracker``). Nothing of the user's trainer changes; apply ``changes`` to its
     ``TrainingArguments`` yourself. What the estimates cannot see (cuDNN workspaces, the CUDA
-    context) belongs in ``headroom``.
+    context) belongs in ``headroom``. ``progress``: a line on stderr says which batch is being tried
+    (as for :func:`memlab.max_batch_size`: on a terminal, unless ``False`` or ``MEMLAB_PROGRESS=0``).
     """
-    from memlab._units import parse_size
-    from memlab.estimate.fit import default_budget, fitting_estimate, modelled_gpu, search
+    from memlab.estimate.fit import budget_in_bytes, modelled_gpu, search_batch_size
 
     _check_trainer(trainer)
     steps = check_count(steps, "steps", 1)
-    extra = parse_size(headroom, name="headroom")
     modelled = modelled_gpu(gpu)
     target = _target("cuda" if device is None and gpu is not None else device, (trainer.model,))
-    limit = default_budget(target, modelled) if budget is None else parse_size(budget, name="budget")
-    if extra >= limit:
-        raise ValueError(
-            f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"
-        )
-    found: dict[int, Estimate | None] = {}
+    limit, extra = budget_in_bytes(budget, headroom, target, modelled)
 
     def run(size: int, capacity: int | None) -> Estimate:
         return _run(trainer, steps, target, modelled, batch_size=size, capacity=capacity)
 
-    def fits(size: int) -> bool:
-        if size not in found:
-            found[size] = fitting_estimate(lambda capacity: run(size, capacity), limit - extra)
-        return found[size] is not None
-
     high = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else None
-    good, bad = search(fits, 1, high)
-    from memlab.estimate.fit import BatchFit
-
-    needs = None if bad is None else run(bad, None)
-    fit = BatchFit(good, found.get(good), needs, len(found) + (bad is not None), limit, extra, steps, bad)
+    fit = search_batch_size(
+        run, limit, extra, steps, high=high, progress=progress, task="Trainer max_batch_size"
+    )
+    good = fit.batch_size
     args = trainer.args
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     if good == 0:
