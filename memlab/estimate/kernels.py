@@ -288,17 +288,15 @@ class CudaKernels:
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
             )
 
-        shapes = (query.dim(), key.dim(), value.dim()) == (4, 4, 4)
-        if shapes and not (query.size(1) == key.size(1) == value.size(1)):
-            self._caveat(
-                "aten.scaled_dot_product_attention with grouped-query heads (query "
-                f"{query.size(1)}, key {key.size(1)}, value {value.size(1)}): CUDA's fused kernels handle "
-                "them without repeating key and value; not modelled, so this run kept the CPU kernels' "
-                "tensors."
-            )
-            return composite()
         backend = attention.select_backend(
-            query, key, value, attn_mask, dropout_p, is_causal, capability=self.gpu.capability
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            capability=self.gpu.capability,
+            enable_gqa=enable_gqa,
         )
         if backend == "error":
             return composite()
@@ -316,7 +314,9 @@ class CudaKernels:
         if not self._can_substitute(what, query, key, value, attn_mask):
             return composite()
         self._count("scaled_dot_product_attention")
-        return attention.run_backend(backend, query, key, value, attn_mask, dropout_p, is_causal, scale)
+        return attention.run_backend(
+            backend, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
 
     # -- recurrent layers -------------------------------------------------------------------
     def _recurrent_kernel(self, name: str) -> Callable[..., Any]:
