@@ -55,7 +55,9 @@ DIFFERENCES: tuple[Difference, ...] = (
         "no mask; keeps its output and a float32 log-sum-exp), memory-efficient attention (sm50 and "
         "newer, also float32 and masks; keeps its output, a float32 log-sum-exp padded to 32 queries and "
         "an additive mask made of a bool one) or the math path; the CPU path (math with dropout, or CPU "
-        "flash) keeps other tensors, the math path the full attention matrix several times",
+        "flash) keeps other tensors, the math path the full attention matrix several times; with "
+        "enable_gqa (fewer key/value heads) cuDNN and flash keep key and value unrepeated, memory-"
+        "efficient attention refuses it (torch 2.13), and the math path repeats key and value",
         "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: select_sdp_backend, priority_order, "
         "check_prefer_cudnn_attention, can_use_cudnn_attention, can_use_flash_attention, "
         "can_use_mem_efficient_attention; aten/src/ATen/native/transformers/attention.cpp: "
