@@ -18,7 +18,7 @@ import torch
 
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._tensors import check_optimizer
-from memlab.estimate import attention
+from memlab.estimate import attention, attention_run
 from memlab.estimate.autocast import CudaAutocast
 from memlab.estimate.grad_scaler import CudaGradScalers
 
@@ -316,7 +316,7 @@ class CudaKernels:
         if not self._can_substitute(what, query, key, value, attn_mask):
             return composite()
         self._count("scaled_dot_product_attention")
-        return attention.run_backend(
+        return attention_run.run_backend(
             backend, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
 
