@@ -2,15 +2,26 @@
 
 :func:`select_backend` follows ``select_sdp_backend`` of
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` for a GPU of a given compute capability;
-:func:`run_backend` then calls the chosen kernel as ``scaled_dot_product_attention`` in
-``aten/src/ATen/native/transformers/attention.cpp`` does: PyTorch's own CUDA-side ops, whose meta
-kernels run on fake and ``meta`` tensors, so a tracker counts what they allocate.
+:func:`memlab.estimate.attention_run.run_backend` then calls the chosen kernel as
+``scaled_dot_product_attention`` in ``aten/src/ATen/native/transformers/attention.cpp`` does:
+PyTorch's own CUDA-side ops, whose meta kernels run on fake and ``meta`` tensors, so a tracker
+counts what they allocate.
 
 The rules were read from pytorch/pytorch's ``sdp_utils.cpp`` at commit 001f694 (the stored version
 nearest to the installed torch 2.13; it is a little newer: its dense checks take a ``supports_mqa``
-template argument that 2.13's ``sdp_utils_cpp.h`` lacks, which matters only for multi-query
-attention, left to the CPU path here), the shared checks from the installed 2.13
+template argument that 2.13's ``sdp_utils_cpp.h`` lacks, added with memory-efficient GQA by
+pytorch/pytorch#191085), the shared checks from the installed 2.13
 ``ATen/native/transformers/sdp_utils_cpp.h`` and the default order from its ``ATen/Context.h``.
+
+Grouped-query attention (``enable_gqa=True``, fewer key/value heads than query heads), as torch
+2.13 has it: ``check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads>``
+(``sdp_utils_cpp.h`` lines 397-446, with ``check_grouped_query_attention`` lines 357-395) lets
+flash take it (``<true>``: key and value heads equal, query heads a multiple of them) and cuDNN
+(``<true, false>``, pytorch/pytorch#150337: query heads a multiple of the key heads and of the
+value heads), not memory-efficient attention (``<false>`` until #191085; 2.13's meta kernel of its
+backward still gives key/value gradients the query's heads). ``attention.cpp`` passes the
+unrepeated key and value to the fused kernel, so a fused GQA call keeps them as they are; only
+the math path repeats them (``pre_process_group_query_attention_input``: ``repeat_interleave``).
 cuDNN's version decides part of the choice and is unknown without a CUDA build of PyTorch:
 :data:`ASSUMED_CUDNN_VERSION` and :data:`ASSUMED_CUDA_MAJOR` stand in for it (see there).
 """
@@ -29,7 +40,6 @@ __all__ = [
     "cudnn_version",
     "prefers_cudnn",
     "priority_order",
-    "run_backend",
     "select_backend",
 ]
 
@@ -103,16 +113,38 @@ def _requires_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _heads_fit(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gqa: str | None,
+) -> bool:
+    """sdp_utils_cpp.h (torch 2.13): ``check_batch_size_and_num_heads_dense``: the same batch size;
+    the same heads, unless ``gqa`` (the backend's grouped-query rule, used only when the call
+    passed ``enable_gqa=True``): ``"same_kv"`` (flash: key and value heads equal and dividing the
+    query heads, ``check_grouped_query_attention<true>``) or ``"any_kv"`` (cuDNN: key heads and
+    value heads each dividing the query heads, ``check_grouped_query_attention<false>``)."""
+    if not query.size(0) == key.size(0) == value.size(0):
+        return False
+    q_heads, k_heads, v_heads = query.size(-3), key.size(-3), value.size(-3)
+    if gqa is None:
+        return q_heads == k_heads == v_heads
+    if gqa == "same_kv" and k_heads != v_heads:
+        return False
+    return q_heads % k_heads == 0 and (gqa == "same_kv" or q_heads % v_heads == 0)
+
+
 def _dense_common(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
     ignore_singleton_dim: bool,
+    gqa: str | None = None,
 ) -> bool:
     """The dense checks every fused backend runs (sdp_utils_cpp.h): non-zero sequence lengths,
-    last-dim stride 1 (the mask's too on a GPU), same batch size and heads (grouped-query
-    attention never reaches here: the caller keeps it on the CPU path)."""
+    last-dim stride 1 (the mask's too on a GPU), same batch size and heads (or the backend's
+    grouped-query rule ``gqa``, see :func:`_heads_fit`)."""
     if query.size(-2) == 0 or key.size(-2) == 0:  # check_nonzero_sequence_lengths_dense
         return False
     strides = all(t.stride(-1) == 1 for t in (query, key, value))  # check_last_dim_stride_equals_1_dense
@@ -120,8 +152,7 @@ def _dense_common(
         strides = strides or query.size(-1) == 1
     if not strides or (attn_mask is not None and attn_mask.stride(-1) != 1):
         return False
-    # check_batch_size_and_num_heads_dense
-    return query.size(0) == key.size(0) == value.size(0) and query.size(1) == key.size(1) == value.size(1)
+    return _heads_fit(query, key, value, gqa)  # check_batch_size_and_num_heads_dense
 
 
 def _can_use_cudnn(
@@ -131,6 +162,7 @@ def _can_use_cudnn(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
     dropout_p: float,
+    enable_gqa: bool = False,
 ) -> bool:
     """sdp_utils.cpp: ``can_use_cudnn_attention`` for dense inputs, with :func:`cudnn_version`."""
     version = cudnn_version()
@@ -150,7 +182,8 @@ def _can_use_cudnn(
         return False
     if dropout_p * 16.0 != math.floor(dropout_p * 16.0):  # check_cudnn_dropout: multiples of 1/16
         return False
-    if not _dense_common(query, key, value, attn_mask, ignore_singleton_dim=True):
+    gqa = "any_kv" if enable_gqa else None  # check_batch_size_and_num_heads_dense<true, false>
+    if not _dense_common(query, key, value, attn_mask, ignore_singleton_dim=True, gqa=gqa):
         return False
     return _cudnn_shapes_fit(capability, query, key, value, dropout_p, version)
 
@@ -220,6 +253,7 @@ def _can_use_flash(
     attn_mask: torch.Tensor | None,
     dropout_p: float,
     is_causal: bool,
+    enable_gqa: bool = False,
 ) -> bool:
     """sdp_utils.cpp: ``can_use_flash_attention`` for dense inputs."""
     head = query.size(-1)
@@ -242,7 +276,8 @@ def _can_use_flash(
     dtypes = _HALF if capability[0] >= 8 else (torch.float16,)  # check_dtypes_flash_attention
     if query.dtype not in dtypes or not query.dtype == key.dtype == value.dtype:
         return False
-    return _dense_common(query, key, value, None, ignore_singleton_dim=True)
+    gqa = "same_kv" if enable_gqa else None  # check_batch_size_and_num_heads_dense<true>
+    return _dense_common(query, key, value, None, ignore_singleton_dim=True, gqa=gqa)
 
 
 def _gemm_alignment(capability: tuple[int, int], dtype: torch.dtype) -> int:
@@ -293,13 +328,16 @@ def select_backend(
     is_causal: bool = False,
     *,
     capability: tuple[int, int],
+    enable_gqa: bool = False,
 ) -> str:
     """The backend ``select_sdp_backend`` picks for these dense inputs on a GPU of compute
     ``capability``: ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``, or ``"error"`` when no
     enabled backend fits (PyTorch raises "No available kernel"). Reads the backends enabled with
     ``torch.backends.cuda`` / ``torch.nn.attention.sdpa_kernel`` and the priority order as PyTorch
-    does; inputs that are not 4-D, nested, or of grouped-query attention (heads differ) never get a
-    fused backend here."""
+    does. ``enable_gqa``: the call's flag; with it, query heads a multiple of the key/value heads
+    fit flash (key and value heads equal) and cuDNN, never memory-efficient attention (torch 2.13,
+    see the module docstring); without it the heads must be equal. Inputs that are not 4-D or are
+    nested never get a fused backend here."""
     backends = torch.backends.cuda
     enabled = (
         backends.math_sdp_enabled(),
@@ -315,100 +353,14 @@ def select_backend(
             return "math"
         if not fused:
             continue
-        if backend == "cudnn" and _can_use_cudnn(capability, query, key, value, attn_mask, dropout_p):
+        if backend == "cudnn" and _can_use_cudnn(
+            capability, query, key, value, attn_mask, dropout_p, enable_gqa
+        ):
             return "cudnn"
         if backend == "flash" and _can_use_flash(
-            capability, query, key, value, attn_mask, dropout_p, is_causal
+            capability, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa
         ):
             return "flash"
         if backend == "efficient" and _can_use_efficient(capability, query, key, value, attn_mask):
             return "efficient"
     return "error"
-
-
-def _boolean_to_additive(
-    attn_mask: torch.Tensor | None, dtype: torch.dtype, fill: float
-) -> torch.Tensor | None:
-    """attention.cpp: ``convert_boolean_attn_mask`` (``fill`` -inf) and its cuDNN variant
-    ``convert_boolean_attn_mask_cudnn`` (``fill`` -65504): a bool mask becomes an additive one of
-    the query's dtype; other masks pass through."""
-    if attn_mask is None or attn_mask.dtype is not torch.bool:
-        return attn_mask
-    if math.isinf(fill):
-        zero = torch.scalar_tensor(0.0, dtype=dtype, device=attn_mask.device)
-        return torch.where(attn_mask.logical_not(), fill, zero)
-    # The cuDNN variant's zero is a host scalar (no device given), which a GPU does not allocate.
-    return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
-        attn_mask.logical_not(), fill
-    )
-
-
-def _preprocess_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """attention.cpp: ``preprocess_mask``: pad the last dim when a stride is not a multiple of 8
-    (``aligned_tensor<8>``; ``pad_bias<8>`` pads by 8 - size % 8, then slices back), then expand
-    to (B, H, L, S)."""
-    aligned = all(mask.stride(i) % 8 == 0 for i in range(mask.dim() - 1)) and mask.stride(-1) == 1
-    if not aligned:
-        size = mask.size(-1)
-        mask = torch.nn.functional.pad(mask, (0, 8 - size % 8))[..., :size]
-    return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
-
-
-def run_backend(
-    backend: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    """Run ``backend`` (from :func:`select_backend`, not ``"error"``) as attention.cpp's
-    ``scaled_dot_product_attention`` runs it on CUDA, and return the output. What each keeps for
-    backward: cuDNN its output, float32 softmax statistics (B, H, L, 1), the philox seed and offset
-    (two 8-byte device tensors) and the additive mask it made of a bool one; flash its output, a
-    float32 log-sum-exp (B, H, L), an rng state (2 x uint64) and an unused uint64, and the
-    query/key/value padded to a head dim that is a multiple of 8; memory-efficient its output, a
-    float32 log-sum-exp padded to a multiple of 32 queries, seed and offset, and the (padded)
-    additive mask; math the scaled query and key and the softmax output."""
-    requires_grad = _requires_grad(query, key, value)  # attention.cpp: should_compute_logsumexp
-    if backend == "cudnn":
-        mask = _boolean_to_additive(attn_mask, query.dtype, -65504.0)
-        return torch.ops.aten._scaled_dot_product_cudnn_attention.default(
-            query, key, value, mask, requires_grad, dropout_p, is_causal, False, scale=scale
-        )[0]
-    if backend == "flash":
-        return _flash(query, key, value, dropout_p, is_causal, scale)
-    mask = _boolean_to_additive(attn_mask, query.dtype, -math.inf)
-    if backend == "efficient":
-        if mask is not None:
-            mask = _preprocess_mask(mask, query, key)
-        return torch.ops.aten._scaled_dot_product_efficient_attention.default(
-            query, key, value, mask, requires_grad, dropout_p, is_causal, scale=scale
-        )[0]
-    return torch.ops.aten._scaled_dot_product_attention_math.default(
-        query, key, value, mask, dropout_p, is_causal, None, scale=scale
-    )[0]
-
-
-def _flash(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    # attention.cpp: pad the head dim to a multiple of 8 (pad_last_dim<8>), scale by the original
-    # head dim, then cut the output back (post_process_flash_output).
-    head = query.size(-1)
-    pad = -head % 8
-    if pad:
-        query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
-    if scale is None:
-        scale = 1.0 / math.sqrt(head)
-    out = torch.ops.aten._scaled_dot_product_flash_attention.default(
-        query, key, value, dropout_p, is_causal, False, scale=scale
-    )[0]
-    return out[..., :head] if pad else out

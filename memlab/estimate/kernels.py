@@ -18,7 +18,7 @@ import torch
 
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._tensors import check_optimizer
-from memlab.estimate import attention
+from memlab.estimate import attention, attention_run
 from memlab.estimate.autocast import CudaAutocast
 from memlab.estimate.grad_scaler import CudaGradScalers
 
@@ -55,7 +55,9 @@ DIFFERENCES: tuple[Difference, ...] = (
         "no mask; keeps its output and a float32 log-sum-exp), memory-efficient attention (sm50 and "
         "newer, also float32 and masks; keeps its output, a float32 log-sum-exp padded to 32 queries and "
         "an additive mask made of a bool one) or the math path; the CPU path (math with dropout, or CPU "
-        "flash) keeps other tensors, the math path the full attention matrix several times",
+        "flash) keeps other tensors, the math path the full attention matrix several times; with "
+        "enable_gqa (fewer key/value heads) cuDNN and flash keep key and value unrepeated, memory-"
+        "efficient attention refuses it (torch 2.13), and the math path repeats key and value",
         "aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: select_sdp_backend, priority_order, "
         "check_prefer_cudnn_attention, can_use_cudnn_attention, can_use_flash_attention, "
         "can_use_mem_efficient_attention; aten/src/ATen/native/transformers/attention.cpp: "
@@ -288,17 +290,15 @@ class CudaKernels:
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
             )
 
-        shapes = (query.dim(), key.dim(), value.dim()) == (4, 4, 4)
-        if shapes and not (query.size(1) == key.size(1) == value.size(1)):
-            self._caveat(
-                "aten.scaled_dot_product_attention with grouped-query heads (query "
-                f"{query.size(1)}, key {key.size(1)}, value {value.size(1)}): CUDA's fused kernels handle "
-                "them without repeating key and value; not modelled, so this run kept the CPU kernels' "
-                "tensors."
-            )
-            return composite()
         backend = attention.select_backend(
-            query, key, value, attn_mask, dropout_p, is_causal, capability=self.gpu.capability
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            capability=self.gpu.capability,
+            enable_gqa=enable_gqa,
         )
         if backend == "error":
             return composite()
@@ -316,7 +316,9 @@ class CudaKernels:
         if not self._can_substitute(what, query, key, value, attn_mask):
             return composite()
         self._count("scaled_dot_product_attention")
-        return attention.run_backend(backend, query, key, value, attn_mask, dropout_p, is_causal, scale)
+        return attention_run.run_backend(
+            backend, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
 
     # -- recurrent layers -------------------------------------------------------------------
     def _recurrent_kernel(self, name: str) -> Callable[..., Any]:

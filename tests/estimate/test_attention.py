@@ -258,3 +258,153 @@ def test_cudnn_attention_backward_runs_on_fake_tensors():
     with fake, CudaKernels(gpu="H100"):
         F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
     assert q.grad.shape == q.shape and q.grad.dtype == torch.bfloat16
+
+
+# -- grouped-query attention (enable_gqa) -------------------------------------------------------
+# torch 2.13's sdp_utils_cpp.h lines 357-446 (check_grouped_query_attention,
+# check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads>): flash takes GQA
+# with key heads == value heads dividing the query heads, cuDNN (<true, false>, pytorch#150337)
+# with key and value heads each dividing them, memory-efficient attention not at all (<false>
+# until pytorch#191085); without enable_gqa the heads must be equal.
+def choose_gqa(
+    capability: tuple[int, int],
+    heads: tuple[int, int, int] = (8, 2, 2),
+    dtype: torch.dtype = torch.bfloat16,
+    mask: bool = False,
+    enable_gqa: bool = True,
+) -> str:
+    hq, hk, hv = heads
+    q, k, v = (
+        meta(2, hq, 128, 64, dtype=dtype),
+        meta(2, hk, 128, 64, dtype=dtype),
+        meta(2, hv, 128, 64, dtype=dtype),
+    )
+    attn_mask = meta(128, 128, dtype=torch.bool) if mask else None
+    return select_backend(q, k, v, attn_mask, capability=capability, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize(
+    ("capability", "kwargs", "expected"),
+    [
+        (SM90, {}, "cudnn"),
+        (SM80, {}, "flash"),
+        (SM100, {}, "cudnn"),
+        (SM90, {"mask": True}, "cudnn"),  # cuDNN takes a 2-D mask with GQA
+        (SM80, {"mask": True}, "math"),  # flash: no mask; efficient: no GQA in 2.13
+        (SM90, {"dtype": torch.float32}, "math"),  # only efficient takes float32, and not GQA
+        (SM80, {"dtype": torch.float32}, "math"),
+        (SM90, {"heads": (8, 2, 4)}, "cudnn"),  # cuDNN: key and value heads may differ
+        (SM80, {"heads": (8, 2, 4)}, "math"),  # flash: check_grouped_query_attention<true>
+        (SM90, {"heads": (8, 3, 3)}, "math"),  # 8 % 3: no fused backend
+        (SM90, {"enable_gqa": False}, "math"),  # heads differ without enable_gqa
+        (SM80, {"enable_gqa": False}, "math"),
+        (SM90, {"heads": (8, 8, 8)}, "cudnn"),  # equal heads with enable_gqa: as without
+    ],
+)
+def test_grouped_query_backend_follows_sdp_utils(capability, kwargs, expected):
+    assert choose_gqa(capability, **kwargs) == expected
+
+
+def test_grouped_query_attention_never_takes_efficient_attention():
+    # with flash and cuDNN off, an sm80 bfloat16 GQA call has efficient (refused: no GQA) and math
+    SDPBackend = torch.nn.attention.SDPBackend
+    with torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        assert choose_gqa(SM80) == "math"
+        assert choose_gqa(SM80, heads=(8, 8, 8)) == "efficient"
+    with torch.nn.attention.sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert choose_gqa(SM80) == "error"  # PyTorch: "No available kernel"
+
+
+HQ, HKV, GL = 8, 2, 128  # a tiny Llama-style GQA attention: 8 query heads, 2 key/value heads
+
+
+def run_gqa(gpu: str, repeat_kv: bool = False) -> dict:
+    """Causal GQA attention in bfloat16 (B x 8 heads x 128 x 64; key/value B x 2 x 128 x 64) on fake
+    CPU tensors under CudaKernels(gpu=...), forward then backward, tracked: with enable_gqa=True
+    as transformers' sdpa_attention_forward calls it without a mask, or with key and value repeated
+    as its repeat_kv does otherwise."""
+    gc.collect()
+    fake = FakeTensorMode()
+    with fake:
+        q = torch.empty(B, HQ, GL, D, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(B, HKV, GL, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        grad_out = torch.empty(B, HQ, GL, D, dtype=torch.bfloat16)
+    with fake, memlab.TensorTracker(history=True) as tracker, CudaKernels(gpu=gpu) as kernels:
+        if repeat_kv:
+            key, value = (
+                t[:, :, None].expand(B, HKV, HQ // HKV, GL, D).reshape(B, HQ, GL, D) for t in (k, v)
+            )
+            out = F.scaled_dot_product_attention(query=q, key=key, value=value, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        activation = tracker.by_category()["activation"]
+        before = tracker.memory_stats()["allocated_bytes.all.current"]
+        node = out.grad_fn
+        saved = {
+            name.removeprefix("_saved_"): (tuple(t.shape), t.untyped_storage().nbytes())
+            for name in dir(node)
+            if name.startswith("_saved_") and isinstance(t := getattr(node, name), torch.Tensor)
+        }
+        out.backward(grad_out)
+        stats = tracker.memory_stats()
+    return {
+        "node": type(node).__name__,
+        "saved": saved,
+        "activation": activation,
+        "before_backward": before,
+        "backward_peak": stats["allocated_bytes.all.peak"],
+        "after_backward": stats["allocated_bytes.all.current"],
+        "grads": [tuple(t.grad.shape) for t in (q, k, v)],
+        "kernels": kernels,
+    }
+
+
+# Bytes, by hand (B=2, bfloat16 = 2 B, float32 = 4 B; every size here is a multiple of 512 B except
+# the 8-byte seed/offset tensors, which take one 512 B block each):
+Q_BYTES = B * HQ * GL * D * 2  # 262,144: the query, the output, the query's gradient
+KV_BYTES = B * HKV * GL * D * 2  # 65,536: key or value, unrepeated, and their gradients
+STATS_BYTES = B * HQ * GL * 4  # 8,192: float32 softmax statistics / log-sum-exp, one per query row
+
+
+@pytest.mark.parametrize(
+    ("gpu", "node", "stats"),
+    [
+        # sm90, cuDNN > 9.15.0: cuDNN first; attention.cpp (scaled_dot_product_attention, case
+        # cudnn_attention) passes key and value unrepeated. What it allocates, torch 2.13
+        # _meta_registrations.py line 6220 (meta__scaled_dot_product_cudnn_attention): the output
+        # (B, Hq, L, Dv) in the query's layout, float32 stats (B, Hq, L, 1), int64 seed and offset.
+        ("H100", "ScaledDotProductCudnnAttentionBackward0", "logsumexp"),
+        # sm80: flash first; attention.cpp pads nothing (head dim 64) and passes key and value
+        # unrepeated; line 6107 (meta__scaled_dot_product_flash_attention): output empty_like(query),
+        # float32 logsumexp (B, Hq, L), a (2,) uint64 rng state and a () uint64.
+        ("A100", "ScaledDotProductFlashAttentionBackward0", "logsumexp"),
+    ],
+)
+def test_grouped_query_attention_keeps_key_and_value_unrepeated(gpu, node, stats):
+    run = run_gqa(gpu)
+    assert run["kernels"].substituted == {"scaled_dot_product_attention": 1}
+    assert run["kernels"].caveats == []
+    assert run["node"] == node
+    assert run["saved"]["key"] == ((B, HKV, GL, D), KV_BYTES)
+    assert run["saved"]["value"] == ((B, HKV, GL, D), KV_BYTES)
+    assert run["saved"]["output"] == ((B, HQ, GL, D), Q_BYTES)
+    assert run["saved"][stats][1] == STATS_BYTES
+    # forward: output + statistics + two 512 B blocks (cuDNN seed/offset; flash rng state/unused)
+    assert run["activation"] == Q_BYTES + STATS_BYTES + 512 + 512 == 271_360
+    # backward (line 6348 meta__scaled_dot_product_flash_backward / 6605 ..._cudnn_backward):
+    # empty_like(query), empty_like(key), empty_like(value), allocated while the saved tensors live
+    assert run["grads"] == [(B, HQ, GL, D), (B, HKV, GL, D), (B, HKV, GL, D)]
+    assert run["backward_peak"] == run["before_backward"] + Q_BYTES + 2 * KV_BYTES == 664_576
+    # the graph is freed: the output (held by the test) and the three gradients remain
+    assert run["after_backward"] == Q_BYTES + Q_BYTES + 2 * KV_BYTES
+
+
+def test_repeated_key_and_value_keep_the_repeated_copies():
+    # transformers' repeat_kv (expand + reshape) copies key and value to the query's 8 heads; the
+    # same cuDNN kernel then keeps both copies besides its output and statistics
+    run = run_gqa("H100", repeat_kv=True)
+    assert run["node"] == "ScaledDotProductCudnnAttentionBackward0"
+    assert run["saved"]["key"] == ((B, HQ, GL, D), Q_BYTES)
+    assert run["activation"] == 2 * Q_BYTES + Q_BYTES + STATS_BYTES + 512 + 512 == 795_648
+    assert run["grads"] == [(B, HQ, GL, D), (B, HKV, GL, D), (B, HKV, GL, D)]
+    assert run["activation"] - run_gqa("H100")["activation"] == 2 * Q_BYTES

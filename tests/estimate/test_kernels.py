@@ -181,16 +181,24 @@ def test_attention_on_math_keeps_cuda_math_tensors():
     assert cpu_activation == 10240 + 1536  # CPU flash: output and a 2*2*40 float64 log-sum-exp
 
 
-def test_grouped_query_attention_is_a_caveat():
-    q, k = meta(1, 4, 8, 8, grad=True), meta(1, 2, 8, 8, grad=True)
-    with CudaKernels() as kernels:
-        F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
-    assert kernels.substituted == {}
-    assert kernels.caveats == [
-        "aten.scaled_dot_product_attention with grouped-query heads (query 4, key 2, value 2): CUDA's "
-        "fused kernels handle them without repeating key and value; not modelled, so this run kept the "
-        "CPU kernels' tensors."
-    ]
+def test_float32_grouped_query_attention_runs_cuda_math_with_key_and_value_repeated():
+    # torch 2.13: no fused backend takes float32 GQA (flash and cuDNN need float16/bfloat16,
+    # memory-efficient attention no GQA), so CUDA runs _scaled_dot_product_attention_math, which
+    # repeats key and value to the query's heads (pre_process_group_query_attention_input)
+    gc.collect()
+    fake = FakeTensorMode()
+    with fake:
+        q = torch.empty(1, 4, 16, 8, requires_grad=True)
+        k, v = (torch.empty(1, 2, 16, 8, requires_grad=True) for _ in range(2))
+    with fake, memlab.TensorTracker(history=True) as tracker, CudaKernels(gpu="H100") as kernels:
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        activation = tracker.by_category()["activation"]
+    assert kernels.substituted == {"scaled_dot_product_attention": 1}
+    assert kernels.caveats == []
+    assert out.shape == (1, 4, 16, 8)
+    # kept: the scaled query and the scaled repeated key (1*4*16*8 float32, 2,048 B each), the
+    # repeated value (2,048 B) and the softmax output (1*4*16*16 float32, 4,096 B)
+    assert activation == 3 * 2048 + 4096
 
 
 # -- runs whose values matter --------------------------------------------------------------------
