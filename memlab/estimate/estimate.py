@@ -38,6 +38,7 @@ from memlab.estimate.outside import outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.result import HOW, Estimate, EstimateError
 from memlab.estimate.sizes import RealSizes
+from memlab.estimate.values import fake_mode_with_values
 from memlab.history import categories
 from memlab.history.recorder import capture_stack
 from memlab.sources.tracker import TensorTracker
@@ -229,7 +230,8 @@ def run_estimate(
             start=start, call_context=call_context, gpu=gpu,
         )  # fmt: skip
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
+    # Values read on the host (.item(), bool(), .numpy()): known ones exact, unknown ones symbols.
+    mode, values = fake_mode_with_values() if method == "fake" else (None, None)
     tracker = _Tracker(
         history=True,
         capacity=capacity,
@@ -240,11 +242,18 @@ def run_estimate(
     kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)
     caveats: list[str] = []
     optimizer_defaults = 0  # optimizers given CUDA's foreach default
-    with _disable_current_modes(), mode or contextlib.nullcontext(), fake_tensor_logs_quiet():
+    with (
+        _disable_current_modes(),
+        mode or contextlib.nullcontext(),
+        values or contextlib.nullcontext(),
+        fake_tensor_logs_quiet(),
+    ):
         copier = Copier(_tensor_copier(method, mode))
         args, kwargs = make_arguments()
         copier.modules_first([*named_objects(fn), args, kwargs])
         call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))
+        if values is not None:
+            values.know_inputs(copier)
         if with_grads:
             _give_gradients(copier.modules)
         outside = watch_outside(mode)
@@ -296,11 +305,17 @@ def run_estimate(
                     gpu=gpu,
                 )
                 del result
-        except Exception:
+        except Exception as error:
+            if values is not None:
+                values.failed(error)
+                tracker.forced_by = values.forced_by or tracker.forced_by
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
+        if values is not None and values.forced_by is not None:  # also when the step caught ValueNeeded
+            tracker.forced_by = values.forced_by
         if tracker.forced_by is None:
             caveats += outside_tensors(outside) + tracker.size_caveats + copier.caveats
+            caveats += values.caveats if values is not None else []
             if device.type == "cuda":
                 caveats += tracker.workspaces.caveats()  # cuDNN's convolution workspaces
             if kernels is not None:
