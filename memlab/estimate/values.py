@@ -237,21 +237,14 @@ class HostValues(TorchDispatchMode):
         where = _where()
         if self._first_read is None:
             self._first_read = where
-        value = self.placeholder(node)
         asked = _asked(node.pytype)
         if asked is int:
-            self._force(
-                f"int() of a value the estimate does not have (it may decide a size) at {where}", node
-            )
+            self._force(f"an integer the estimate does not have (int(), an index, a size) at {where}", node)
         if asked is bool:
-            caveat = (
-                f"the step decided on a value the estimate does not have ({node.expr}, {self._origin(node)}) "
-                f"at {where}; taken as {bool(value)}, as if each such value were 0"
+            self._force(
+                f"a branch on a value the estimate does not have (if, bool(), a comparison) at {where}", node
             )
-            if caveat not in self.caveats:
-                self.caveats.append(caveat)
-            return bool(value)
-        return float(value)
+        return float(self.placeholder(node))
 
     def placeholder(self, node: Any) -> Any:
         """``node``'s value with every unknown value taken as 0."""
@@ -269,22 +262,20 @@ class HostValues(TorchDispatchMode):
                 f"does not have at {self._first_read}"
             )
 
-    def _origin(self, node: Any) -> str:
-        found = [
-            self._origins[s] for s in sorted(free_unbacked_symbols(node.expr), key=str) if s in self._origins
-        ]
-        return "read from a tensor at " + ", ".join(found) if found else "read from a tensor"
-
     def _force(self, what: str, node: Any) -> None:
         if self.forced_by is None:
-            self.forced_by = f"{what}; {self._origin(node)}"
+            origins = [self._origins.get(s) for s in sorted(free_unbacked_symbols(node.expr), key=str)]
+            elsewhere = [o for o in dict.fromkeys(origins) if o is not None and not what.endswith(f" at {o}")]
+            self.forced_by = what + ("; read from a tensor at " + ", ".join(elsewhere) if elsewhere else "")
         raise ValueNeeded(self.forced_by)
 
     def _check_sizes(self, func: Any, args: Any, kwargs: Any) -> None:
         positions = self._sizes.get(func)
         if positions is None:
             positions = self._sizes[func] = tuple(
-                i for i, a in enumerate(func._schema.arguments) if "SymInt" in str(a.type)
+                i
+                for i, a in enumerate(func._schema.arguments)
+                if "int" in str(a.type)  # SymInt, SymInt?, SymInt[] (a Scalar is a "number")
             )
         names = [func._schema.arguments[i].name for i in positions]
         for i, name in zip(positions, names, strict=True):
@@ -403,7 +394,7 @@ class HostValues(TorchDispatchMode):
         from torch.utils._pytree import tree_map_only
 
         def fake(value: torch.Tensor) -> torch.Tensor:
-            made = self.mode.fake_tensor_converter.from_real_tensor(self.mode, value)
+            made = FakeTensorConverter.from_real_tensor(self.mode.fake_tensor_converter, self.mode, value)
             setattr(made, _VALUE, value)
             setattr(made.untyped_storage(), _CELL, _Cell(any(_assumed(t) for t in tensors)))
             return made
