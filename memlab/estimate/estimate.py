@@ -6,10 +6,13 @@ arguments. A :class:`~memlab.sources.tracker.TensorTracker` counts every storage
 and replays it through the CUDA caching allocator model, so the numbers are those the tracker
 gives for a real run, without allocating a byte of tensor data. PyTorch chooses kernels per device;
 an estimate for ``device="cuda"`` on a machine without CUDA substitutes CUDA's choices where they
-allocate differently (:mod:`memlab.estimate.kernels`). An op whose output depends on tensor values
-(``.item()``, ``nonzero``, a boolean mask, ``if tensor:``) cannot run on fake tensors: the
-estimate then runs the call for real on CPU copies (``method="cpu"``: exact for tracked bytes,
-costs host memory and time) and says which op and line forced it.
+allocate differently (:mod:`memlab.estimate.kernels`). Values the call reads on the host
+(``loss.item()``, ``bool()``, ``.tolist()``, ``.numpy()``, an attention-mask check) are answered
+without data where they can be (:mod:`memlab.estimate.values`): exactly for tensors computed from
+the inputs, as PyTorch's unbacked symbols for values that depend on the weights. Where a value the
+run does not have decides a size or a branch (``int(n)``, ``if loss > 1:``, ``nonzero`` of an
+activation), the estimate runs the call for real on CPU copies (``method="cpu"``: exact for tracked
+bytes, costs host memory and time) and says which op and line forced it.
 """
 
 from __future__ import annotations
@@ -153,10 +156,21 @@ def estimate(
     optimizer step counters and other one-element CPU tensors are copied with their values, so
     code that reads them (``step.item()`` in Adam) runs on fake tensors.
 
-    An op that fake tensors cannot run (its output depends on tensor values: ``.item()``,
-    ``nonzero``, boolean masks, ``if tensor:``) makes the estimate run ``fn`` for real on CPU
-    copies of the arguments (``method="cpu"``; exact for the bytes a tracker counts, costs host
-    memory and the time of a real run) and ``forced_by`` names the op and the line. A tensor that
+    Values ``fn`` reads on the host stay data-free where they can (:mod:`memlab.estimate.values`).
+    Tensors computed only from the inputs and buffers (token ids, masks, labels, ``arange``) carry
+    their real values while small, so ``.item()``, ``bool()``, ``.tolist()`` and ``.numpy()`` of
+    them, branches on them (Hugging Face's attention-mask and pad-token checks) and sizes they
+    decide (``nonzero``, a boolean mask, ``x[: mask.sum().item()]``) are the real ones. A value
+    that depends on the weights (``loss.item()``, ``clip_grad_norm_(...).item()``) is an unbacked
+    symbol that may be logged, formatted and summed (read as a float it is 0.0). Such values are
+    taken as finite: ``isnan``/``isinf``/``isfinite`` of them and a GradScaler's found-inf check
+    give the answers of a step without overflow, and ``caveats`` says so where the step reads
+    them; ``.numpy()`` of them gives zeros, also in ``caveats``. Where a value the run does not
+    have decides a size or a branch (``int(n)``, ``range(n)``, a size argument, ``if loss > 1:``,
+    ``nonzero`` of an activation), or the run fails after reading one, the estimate runs ``fn``
+    for real on CPU copies of the arguments (``method="cpu"``; exact for the bytes a tracker
+    counts, costs host memory and the time of a real run) and ``forced_by`` names the read or
+    op, the line, and the line the value was read from a tensor. A tensor that
     requires grad and that ``fn`` reaches other than through its arguments or the names it uses
     (a model held by another module's global, say) is an :class:`EstimateError`: its gradients and
     optimizer update would be missing from the estimate.

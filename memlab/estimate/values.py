@@ -13,12 +13,13 @@ sits under the tracker, above ``FakeTensorMode``, and gives every value one of t
   exact size. A write by an op whose inputs are not all known makes the storage's value unknown.
 - **unknown** (what depends on weights: a loss, a gradient norm): ``.item()`` gives an unbacked
   ``SymFloat``/``SymInt``/``SymBool`` of the fake mode's ``ShapeEnv`` (PyTorch's symbols for values
-  it does not have). Host code may keep, add, format and log them. Read as a ``float`` it is 0.0,
-  a placeholder that only feeds logging; read as an ``int`` (``int()``, ``range``, an index), or
-  passed to an op as a size, it may decide an allocation: the run stops and the estimate runs for
-  real (``forced_by`` names the line and where the value was read). A ``bool`` read (``if``, a
-  comparison) decides a branch: it is taken as if the value were 0 and named in ``caveats``.
-  ``.numpy()`` of an unknown value gives zeros, named in ``caveats``.
+  it does not have). Host code may keep, add, format (``f"{loss:.4f}"``) and log them; read as a
+  ``float`` (``float()``, ``math.exp``) it is 0.0, a placeholder that only feeds logging. Read as an
+  ``int`` (``int()``, ``range``, an index) or passed to an op as a size, it may decide an
+  allocation; read as a ``bool`` (``if``, ``not``, a comparison), it decides a branch that may
+  allocate. The run cannot know which, so it stops there and the estimate runs for real
+  (``forced_by`` names the read, its line and the line the value came from). ``.numpy()`` of an
+  unknown value gives zeros (NumPy arrays carry no symbols), named in ``caveats``.
 
 Unknown values are taken as finite: comparisons that finiteness alone answers are known
 (``isnan``/``isinf``/``isfinite``, ``x != inf``, ``x == x``), and a GradScaler's found-inf flags
@@ -50,7 +51,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab.history.recorder import capture_stack
 
-__all__ = ["KNOWN_LIMIT", "HostValues", "ValueNeeded", "fake_mode_with_values"]
+__all__ = ["FINITE", "KNOWN_LIMIT", "HostValues", "ValueNeeded", "fake_mode_with_values"]
+
+#: The end of the caveat for a value that rests on the assumption that unknown values are finite.
+FINITE = "rests on the assumption that values the estimate does not have are finite (no inf, no NaN)"
 
 #: The largest tensor (elements) whose real value a data-free run computes alongside it.
 KNOWN_LIMIT = 1 << 20
@@ -288,7 +292,7 @@ class HostValues(TorchDispatchMode):
     def _note_assumed(self, tensor: Any, how: str) -> None:
         cell = getattr(tensor.untyped_storage(), _CELL, None) if isinstance(tensor, FakeTensor) else None
         if cell is not None and cell.assumed:
-            caveat = f"a value {how} at {_where()} rests on the assumption that values the estimate does not have are finite (no inf, no NaN)"
+            caveat = f"a value {how} at {_where()} {FINITE}"
             if caveat not in self.caveats:
                 self.caveats.append(caveat)
 

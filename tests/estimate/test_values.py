@@ -65,7 +65,8 @@ def batches(name):
     if name == "bert-padded":
         return {"input_ids": tokens, "attention_mask": padded_mask(), "labels": labels}
     if name == "bert-ones":
-        return {"input_ids": tokens, "attention_mask": torch.ones(BATCH, TOKENS, dtype=torch.long), "labels": labels}
+        ones = torch.ones(BATCH, TOKENS, dtype=torch.long)
+        return {"input_ids": tokens, "attention_mask": ones, "labels": labels}
     return {"input_ids": tokens, "labels": labels}
 
 
