@@ -79,7 +79,7 @@ class KnownValues:
         """Record ``real``'s value (copied) as ``fake``'s: an input or buffer of the step."""
         if not isinstance(fake, FakeTensor) or real.numel() > KNOWN_LIMIT or real.is_sparse:
             return
-        if type(real) is not torch.Tensor and not isinstance(real, torch.nn.Parameter):
+        if type(real) is not torch.Tensor:  # a wrapper subclass (DTensor) is not copied under no_dispatch
             return
         with no_dispatch():
             value = real.detach().to("cpu", copy=True)
@@ -103,8 +103,9 @@ class KnownValues:
 
     def value(self, tensor: Any) -> torch.Tensor | None:
         """``tensor``'s real value if this run knows it, else None."""
-        if not isinstance(tensor, FakeTensor):
-            return tensor if isinstance(tensor, torch.Tensor) else None
+        if not isinstance(tensor, FakeTensor):  # a user's real tensor: a plain CPU one has its value
+            plain = type(tensor) is torch.Tensor and tensor.device.type == "cpu"
+            return tensor if plain and tensor.numel() <= KNOWN_LIMIT else None
         value = tensor.__dict__.get(_VALUE)
         if value is not None:
             cell = getattr(tensor.untyped_storage(), _CELL, None)
@@ -157,7 +158,7 @@ class KnownValues:
         def real(a: Any) -> Any:
             if isinstance(a, FakeTensor):
                 return self.value(a)
-            if isinstance(a, torch.Tensor):  # a real tensor of the user's: never a view of it, never written
+            if isinstance(a, torch.Tensor):  # a user's plain CPU tensor (value()): never a view of it
                 return a.detach().clone()
             if isinstance(a, torch.device):
                 return torch.device("cpu")
@@ -165,11 +166,11 @@ class KnownValues:
                 return type(a)(real(i) for i in a)
             return a
 
-        call_kwargs = {k: real(v) for k, v in kwargs.items()}
-        if call_kwargs.get("pin_memory"):
-            call_kwargs["pin_memory"] = False
         try:
-            with no_dispatch():
+            with no_dispatch():  # plain CPU tensors only (value()): no wrapper subclass reaches here
+                call_kwargs = {k: real(v) for k, v in kwargs.items()}
+                if call_kwargs.get("pin_memory"):
+                    call_kwargs["pin_memory"] = False
                 return func(*[real(a) for a in args], **call_kwargs)
         except Exception:  # a kernel CPU lacks (a device's own op): the value stays unknown
             return None
