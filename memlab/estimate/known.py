@@ -56,6 +56,7 @@ _FINITE_COMPARE = {
 }
 _SELF_COMPARE = {aten.eq.Tensor: True, aten.ne.Tensor: False}  # x == x is True: x is not NaN
 _FOUND_INF = aten._amp_foreach_non_finite_check_and_unscale_.default
+_FINITE_IDS = {id(op) for op in (*_FINITE_UNARY, *_FINITE_COMPARE, *_SELF_COMPARE, _FOUND_INF)}  # fast lookup
 
 
 class _Cell:
@@ -129,30 +130,32 @@ class KnownValues:
     def propagate(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """After ``func`` made ``out`` from ``args``: the values of its outputs, where it can know them."""
         tensors = _tensors(args, kwargs)
-        written = self._written(func, args, kwargs)
         values = [self.value(t) for t in tensors]
-        if func in _FINITE_UNARY or func in _FINITE_COMPARE or func in _SELF_COMPARE or func is _FOUND_INF:
-            if self._finite(func, args, out, values):
+        if id(func) in _FINITE_IDS and self._finite(func, args, out, values):
+            return
+        if None not in values and self._computable(func, args, kwargs, tensors, out):
+            real = self._compute(func, args, kwargs)
+            if real is not None and self._attach(out, real, any(_assumed(t) for t in tensors)):
                 return
-        name = func.overloadpacket.__name__
-        computable = (
-            all(v is not None for v in values)
-            and name not in _UNINITIALISED
+        for tensor in self._written(func, args, kwargs):
+            _invalidate(tensor)
+
+    def _computable(self, func: Any, args: Any, kwargs: Any, tensors: list[Any], out: Any) -> bool:
+        """Whether ``func``'s outputs, from inputs whose values are all known, can be known too."""
+        outputs = _tensors(out, {})
+        if not outputs or sum(t.numel() for t in outputs) > KNOWN_LIMIT:
+            return False
+        if all(isinstance(t, FakeTensor) and t.constant is not None for t in outputs):
+            return False  # FakeTensorMode made constants of them (a one-element literal)
+        if tensors and all(isinstance(t, FakeTensor) and t.constant is not None for t in tensors):
+            return False  # FakeTensorMode propagates its own constants
+        written = self._written(func, args, kwargs)
+        return (
+            func.overloadpacket.__name__ not in _UNINITIALISED
             and torch.Tag.nondeterministic_seeded not in func.tags
             and not any(isinstance(a, _SYM) for a in _flat(args, kwargs))
-            and not any(isinstance(t, FakeTensor) and t.constant is not None for t in written)
-            and not any(not isinstance(t, FakeTensor) for t in written)
-            and sum(t.numel() for t in _tensors(out, {})) <= KNOWN_LIMIT
+            and all(isinstance(t, FakeTensor) and t.constant is None for t in written)
         )
-        if computable and (tensors or _tensors(out, {})):
-            if tensors and all(isinstance(t, FakeTensor) and t.constant is not None for t in tensors):
-                return  # FakeTensorMode propagated its own constants
-            assumed = any(_assumed(t) for t in tensors)
-            real = self._compute(func, args, kwargs)
-            if real is not None and self._attach(out, real, assumed):
-                return
-        for tensor in written:
-            _invalidate(tensor)
 
     def _compute(self, func: Any, args: Any, kwargs: Any) -> Any:
         def real(a: Any) -> Any:
@@ -166,7 +169,12 @@ class KnownValues:
                 return type(a)(real(i) for i in a)
             return a
 
+        threads = torch.get_num_threads()
         try:
+            # One thread: these tensors are small, and some kernels (tril) open a parallel region
+            # whatever the size, which costs milliseconds on a busy machine (microseconds on one).
+            if threads > 1:
+                torch.set_num_threads(1)
             with no_dispatch():  # plain CPU tensors only (value()): no wrapper subclass reaches here
                 call_kwargs = {k: real(v) for k, v in kwargs.items()}
                 if call_kwargs.get("pin_memory"):
@@ -174,6 +182,9 @@ class KnownValues:
                 return func(*[real(a) for a in args], **call_kwargs)
         except Exception:  # a kernel CPU lacks (a device's own op): the value stays unknown
             return None
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
 
     def _attach(self, out: Any, real: Any, assumed: bool) -> bool:
         fakes, reals = _tensors(out, {}), _tensors(real, {})
@@ -253,9 +264,10 @@ class KnownValues:
 
 
 def _flat(args: Any, kwargs: Any) -> list[Any]:
+    """The arguments, with lists and tuples among them opened one level (foreach ops' lists)."""
     found = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if type(value) is list or type(value) is tuple:
             found.extend(value)
         else:
             found.append(value)
@@ -263,6 +275,7 @@ def _flat(args: Any, kwargs: Any) -> list[Any]:
 
 
 def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among ``args`` (a tensor, or a list or tuple of arguments) and ``kwargs``."""
     if isinstance(args, torch.Tensor):
         return [args]
     if not isinstance(args, (list, tuple)):

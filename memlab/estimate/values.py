@@ -54,7 +54,8 @@ FINITE = "rests on the assumption that values the estimate does not have are fin
 
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 aten = torch.ops.aten
-_LIFT = {aten.lift_fresh.default, aten.lift_fresh_copy.default}  # a tensor made of Python data
+_LIFT = {id(aten.lift_fresh.default), id(aten.lift_fresh_copy.default)}  # a tensor made of Python data
+_ITEM = aten._local_scalar_dense.default
 
 
 class ValueNeeded(RuntimeError):
@@ -122,13 +123,14 @@ class HostValues(TorchDispatchMode):
         self._patched.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if self._origins:
             self._check_sizes(func, args, kwargs)
-        if func is aten._local_scalar_dense.default:
+        if func is _ITEM:
             return self._item(func, args[0])
-        if func in _LIFT and type(args[0]) is torch.Tensor and args[0].numel() <= KNOWN_LIMIT:
-            return self.known.literal(args[0])
+        if id(func) in _LIFT and type(args[0]) is torch.Tensor and 1 < args[0].numel() <= KNOWN_LIMIT:
+            return self.known.literal(args[0])  # one element: FakeTensorMode's own constant
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
