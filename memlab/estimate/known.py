@@ -127,6 +127,12 @@ class KnownValues:
         setattr(fake.untyped_storage(), _CELL, _Cell(assumed=False))
         return fake
 
+    def unknown(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor made of Python data that holds placeholders, as a fake tensor without a value."""
+        with no_dispatch():
+            value = tensor.detach().clone()
+        return FakeTensorConverter.from_real_tensor(self.mode.fake_tensor_converter, self.mode, value)
+
     def propagate(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """After ``func`` made ``out`` from ``args``: the values of its outputs, where it can know them."""
         tensors = _tensors(args, kwargs)

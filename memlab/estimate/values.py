@@ -78,11 +78,8 @@ class _HostReads(ShapeEnv):
 def fake_mode_with_values() -> tuple[FakeTensorMode, HostValues]:
     """A ``FakeTensorMode`` whose ``.item()`` gives unbacked symbols (input shapes stay static),
     and the :class:`HostValues` to enter above it."""
-    shapes = _HostReads(allow_dynamic_output_shape_ops=False)
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shapes, static_shapes=True)
-    values = HostValues(mode)
-    shapes.values = values
-    return mode, values
+    mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
+    return mode, HostValues(mode)
 
 
 class HostValues(TorchDispatchMode):
@@ -94,6 +91,11 @@ class HostValues(TorchDispatchMode):
     def __init__(self, mode: FakeTensorMode) -> None:
         super().__init__()
         self.mode = mode
+        # Given to the mode only while .item() makes a symbol: a FakeTensorMode with a ShapeEnv
+        # runs every op 2-20 % slower (benchmarks/bench_values.py), and symbols need it only there.
+        self.shapes = _HostReads(allow_dynamic_output_shape_ops=False)
+        self.shapes.values = self
+        self._placeholder_read = False  # a float placeholder was read since the last literal
         self.forced_by: str | None = None
         self.caveats: list[str] = []
         self._origins: dict[Any, str] = {}  # unknown value's symbol -> where it was read from a tensor
@@ -129,8 +131,12 @@ class HostValues(TorchDispatchMode):
             self._check_sizes(func, args, kwargs)
         if func is _ITEM:
             return self._item(func, args[0])
-        if id(func) in _LIFT and type(args[0]) is torch.Tensor and 1 < args[0].numel() <= KNOWN_LIMIT:
-            return self.known.literal(args[0])  # one element: FakeTensorMode's own constant
+        if id(func) in _LIFT and type(args[0]) is torch.Tensor:
+            if self._placeholder_read:  # torch.tensor(loss.item()): made of a placeholder, not known
+                self._placeholder_read = False
+                return self.known.unknown(args[0])
+            if 1 < args[0].numel() <= KNOWN_LIMIT:
+                return self.known.literal(args[0])  # one element: FakeTensorMode's own constant
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
@@ -148,7 +154,11 @@ class HostValues(TorchDispatchMode):
             self._note_assumed(tensor, "read")
             with no_dispatch():
                 return value.item()
-        out = func(tensor)  # an unbacked symbol (or a constant's value)
+        self.mode.shape_env = self.shapes
+        try:
+            out = func(tensor)  # an unbacked symbol (or a constant's value)
+        finally:
+            self.mode.shape_env = None
         if isinstance(out, _SYM):
             for symbol in free_unbacked_symbols(out.node.expr):
                 self._origins.setdefault(symbol, _where())
@@ -166,6 +176,7 @@ class HostValues(TorchDispatchMode):
             self._force(
                 f"a branch on a value the estimate does not have (if, bool(), a comparison) at {where}", node
             )
+        self._placeholder_read = True
         return float(self.placeholder(node))
 
     def placeholder(self, node: Any) -> Any:
@@ -222,7 +233,7 @@ class HostValues(TorchDispatchMode):
         values = self
 
         def __format__(number: Any, spec: str) -> str:
-            if getattr(number.node, "shape_env", None) is values.mode.shape_env:
+            if getattr(number.node, "shape_env", None) is values.shapes:
                 return format(values.placeholder(number.node), spec)
             return original(number, spec)
 

@@ -222,6 +222,13 @@ def branch_on_unknown(model, x, mask):
     return None
 
 
+def tensor_of_a_placeholder(model, x, mask):
+    loss = torch.tensor(model(x).sum().item())  # made of a placeholder: not a known value
+    if loss > 0:
+        return torch.zeros(64)
+    return None
+
+
 @pytest.mark.parametrize(
     ("step", "forced_by"),
     [
@@ -246,6 +253,11 @@ def branch_on_unknown(model, x, mask):
             + line_of("if value > 1.0:")
             + "; read from a tensor at "
             + line_of("value = model(x).sum().item()"),
+        ),
+        (
+            tensor_of_a_placeholder,
+            "a branch on a value the estimate does not have (if, bool(), a comparison) at "
+            + line_of("if loss > 0:"),
         ),
     ],
 )

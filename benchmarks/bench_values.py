@@ -1,0 +1,96 @@
+"""What answering host reads of values costs a data-free estimate (memlab.estimate.values).
+
+A GPT-2 step (AdamW, ``steps=3``; ``--full``: the real GPT-2 124M sizes at batch 4 x 512, else 2
+layers, hidden 64, batch 4 x 32) estimated three ways, interleaved, CPU time (``process_time``:
+steadier than wall time on a shared machine), best and median of ``--repeats``:
+
+A. a plain ``FakeTensorMode`` (what estimates used before);
+B. ``FakeTensorMode`` with the ``ShapeEnv`` that gives ``.item()`` its unbacked symbols;
+C. B plus the ``HostValues`` mode and the known values computed alongside (what estimates use now).
+
+Then the wall time of the same step ending in ``loss.item()`` (C only: data-free; before this
+change it was a real CPU run). Run: ``python benchmarks/bench_values.py [--full]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from typing import Any
+
+import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import memlab
+
+run_module = importlib.import_module("memlab.estimate.estimate")
+values_module = importlib.import_module("memlab.estimate.values")
+
+
+def plain() -> tuple[FakeTensorMode, None]:
+    return FakeTensorMode(allow_non_fake_inputs=True), None
+
+
+def shape_env_only() -> tuple[FakeTensorMode, None]:
+    mode, _ = values_module.fake_mode_with_values()
+    return mode, None
+
+
+VARIANTS = {
+    "A plain FakeTensorMode": plain,
+    "B + ShapeEnv": shape_env_only,
+    "C + ShapeEnv + HostValues (now)": values_module.fake_mode_with_values,
+}
+
+
+def step(model: Any, optimizer: Any, tokens: torch.Tensor) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def item_step(model: Any, optimizer: Any, tokens: torch.Tensor) -> float:
+    return step(model, optimizer, tokens).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="GPT-2 124M sizes, batch 4 x 512")
+    parser.add_argument("--repeats", type=int, default=5)
+    options = parser.parse_args()
+    torch.manual_seed(0)
+    if options.full:
+        config, shape = transformers.GPT2Config(), (4, 512)
+    else:
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+        shape = (4, 32)
+    model = transformers.GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, config.vocab_size, shape)
+    original = run_module.fake_mode_with_values
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    try:
+        for repeat in range(options.repeats + 1):  # the first round warms up
+            for name, make in VARIANTS.items():
+                run_module.fake_mode_with_values = make
+                start = time.process_time()
+                memlab.estimate(step, model, optimizer, tokens, device="cuda", steps=3)
+                if repeat:
+                    times[name].append(time.process_time() - start)
+    finally:
+        run_module.fake_mode_with_values = original
+    print(f"GPT-2 {'124M' if options.full else 'tiny'}, batch {shape[0]} x {shape[1]}, AdamW, steps=3")
+    for name, found in times.items():
+        found.sort()
+        print(f"{name:34s} best {found[0]:.3f} s, median {found[len(found) // 2]:.3f} s (CPU time)")
+    start = time.perf_counter()
+    estimate = memlab.estimate(item_step, model, optimizer, tokens, device="cuda")
+    print(f"step ending in loss.item(): method={estimate.method}, {time.perf_counter() - start:.2f} s wall")
+
+
+if __name__ == "__main__":
+    main()
