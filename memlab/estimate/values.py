@@ -10,9 +10,10 @@ sits under the tracker, above ``FakeTensorMode``, and gives every value one of t
   Reading one gives its true value, so a branch on an attention mask takes the side the real run
   takes, and sizes they decide (``nonzero``, a boolean mask, ``x[: n.item()]``) are exact.
 - **unknown** (what depends on weights: a loss, a gradient norm): ``.item()`` gives an unbacked
-  ``SymFloat``/``SymInt``/``SymBool`` of the fake mode's ``ShapeEnv`` (PyTorch's symbols for values
+  ``SymFloat``/``SymInt``/``SymBool`` of a ``ShapeEnv`` (PyTorch's symbols for values
   it does not have). Host code may keep, add, format (``f"{loss:.4f}"``) and log them; read as a
-  ``float`` (``float()``, ``math.exp``) it is 0.0, a placeholder that only feeds logging. Read as an
+  ``float`` (``float()``, ``math.exp``) it is 0.0, a placeholder that only feeds logging (the next
+  tensor made of Python data, ``torch.tensor(loss.item())``, is taken as unknown). Read as an
   ``int`` (``int()``, ``range``, an index) or passed to an op as a size, it may decide an
   allocation; read as a ``bool`` (``if``, ``not``, a comparison), it decides a branch that may
   allocate. The run cannot know which, so it stops there and the estimate runs for real
@@ -91,8 +92,8 @@ class HostValues(TorchDispatchMode):
     def __init__(self, mode: FakeTensorMode) -> None:
         super().__init__()
         self.mode = mode
-        # Given to the mode only while .item() makes a symbol: a FakeTensorMode with a ShapeEnv
-        # runs every op 2-20 % slower (benchmarks/bench_values.py), and symbols need it only there.
+        # Given to the mode at the first .item() of an unknown value (a step's last line, often):
+        # a FakeTensorMode with a ShapeEnv runs every op 2-20 % slower (benchmarks/bench_values.py).
         self.shapes = _HostReads(allow_dynamic_output_shape_ops=False)
         self.shapes.values = self
         self._placeholder_read = False  # a float placeholder was read since the last literal
@@ -154,11 +155,10 @@ class HostValues(TorchDispatchMode):
             self._note_assumed(tensor, "read")
             with no_dispatch():
                 return value.item()
+        # From the first symbol on, the mode keeps the ShapeEnv: ops on fake tensors given symbols
+        # need it (without it an FSDP2 step that reads its loss loses ten 512 B blocks).
         self.mode.shape_env = self.shapes
-        try:
-            out = func(tensor)  # an unbacked symbol (or a constant's value)
-        finally:
-            self.mode.shape_env = None
+        out = func(tensor)  # an unbacked symbol (or a constant's value)
         if isinstance(out, _SYM):
             for symbol in free_unbacked_symbols(out.node.expr):
                 self._origins.setdefault(symbol, _where())
