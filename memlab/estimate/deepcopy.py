@@ -96,7 +96,9 @@ def _deepcopy(self: FakeTensor, memo: dict[Any, Any]) -> torch.Tensor:
     if self.grad is not None:
         new.grad = copy.deepcopy(self.grad, memo)
     for name, value in self.__dict__.items():
-        if name not in new.__dict__:  # the user's attributes, not the fake tensor's own
+        # the user's attributes, not the fake tensor's own nor the estimate's (a known value,
+        # memlab.estimate.known: the copy's value is not known, reading it is as for any other)
+        if name not in new.__dict__ and not name.startswith("_memlab_"):
             new.__dict__[name] = copy.deepcopy(value, memo)
     memo[id(self)] = new
     return new

@@ -6,28 +6,22 @@ arguments. A :class:`~memlab.sources.tracker.TensorTracker` counts every storage
 and replays it through the CUDA caching allocator model, so the numbers are those the tracker
 gives for a real run, without allocating a byte of tensor data. PyTorch chooses kernels per device;
 an estimate for ``device="cuda"`` on a machine without CUDA substitutes CUDA's choices where they
-allocate differently (:mod:`memlab.estimate.kernels`). An op whose output depends on tensor values
-(``.item()``, ``nonzero``, a boolean mask, ``if tensor:``) cannot run on fake tensors: the
-estimate then runs the call for real on CPU copies (``method="cpu"``: exact for tracked bytes,
-costs host memory and time) and says which op and line forced it.
+allocate differently (:mod:`memlab.estimate.kernels`). Values the call reads on the host
+(``loss.item()``, ``bool()``, ``.tolist()``, ``.numpy()``, an attention-mask check) are answered
+without data where they can be (:mod:`memlab.estimate.values`): exactly for tensors computed from
+the inputs, as PyTorch's unbacked symbols for values that depend on the weights. Where a value the
+run does not have decides a size or a branch (``int(n)``, ``if loss > 1:``, ``nonzero`` of an
+activation), the estimate runs the call for real on CPU copies (``method="cpu"``: exact for tracked
+bytes, costs host memory and time) and says which op and line forced it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import linecache
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-    unset_fake_temporarily,
-)
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._devices import parse_device
@@ -39,74 +33,13 @@ from memlab.estimate.isolation import Isolation
 from memlab.estimate.outside import OutsideCopies, outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
 from memlab.estimate.result import HOW, Estimate, EstimateError
-from memlab.estimate.sizes import RealSizes
+from memlab.estimate.run_tracker import EstimateTracker
+from memlab.estimate.tensor_copies import host_scalar, tensor_copier
+from memlab.estimate.values import fake_mode_with_values
 from memlab.history import categories
-from memlab.history.recorder import _no_stack, capture_stack
 from memlab.sources.tracker import TensorTracker
 
 __all__ = ["Estimate", "EstimateError", "estimate"]
-
-# What fake tensors cannot do: each forces a real CPU run, named in the estimate.
-_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
-_OP_NAMES = {
-    "_local_scalar_dense": "a tensor's value read in Python (.item(), bool(), int(), float(), if tensor:)",
-    "nonzero": "nonzero (torch.nonzero, torch.where(mask), indexing with a boolean mask)",
-    "index": "indexing with a boolean mask",
-    "masked_select": "masked_select (indexing with a boolean mask)",
-}
-
-
-class _Tracker(TensorTracker):
-    """A tracker that remembers the first op fake tensors could not run, and where, and (given
-    ``kernels``, whose kernels a fake run mimics) counts the storages real kernels allocate where
-    they differ from the meta kernels' (:mod:`memlab.estimate.sizes`)."""
-
-    forced_by: str | None = None
-    estimated: str | None = None  # how the estimate ran, for the line that says where numbers come from
-
-    def __init__(self, *, kernels: str | None = None, stacks: bool = True, **options: Any) -> None:
-        self.stacks = stacks  # before the tracker makes its first allocator
-        super().__init__(**options)
-        self.real_sizes = RealSizes(kernels) if kernels is not None else None
-
-    def _new_allocator(self) -> Any:
-        allocator = super()._new_allocator()
-        if not self.stacks and allocator.history is not None:
-            allocator.history.stack = _no_stack  # categories and peaks only: no stack walk per allocation
-        return allocator
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        try:
-            if self.real_sizes is None:
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            run = super().__torch_dispatch__
-            return self.real_sizes.run(func, args, lambda: run(func, types, args, kwargs))
-        except _DATA_DEPENDENT:
-            if self.forced_by is None:
-                self.forced_by = _describe_op(func)
-            raise
-
-    @property
-    def size_caveats(self) -> list[str]:
-        """What the run hit whose real size is not known without data (one sentence each)."""
-        return list(self.real_sizes.caveats) if self.real_sizes is not None else []
-
-    def _out_of_memory(
-        self, storage: torch.UntypedStorage, nbytes: int, error: torch.OutOfMemoryError
-    ) -> None:
-        """An estimate that runs out of its capacity answers a question (does it fit?); it is not
-        the user's out-of-memory error, so the OOM observers (``explain_oom``) are not told."""
-
-
-def _describe_op(func: Any) -> str:
-    name = func.overloadpacket.__name__
-    what = _OP_NAMES.get(name, f"aten.{name} (its output depends on tensor values)")
-    stack = capture_stack()
-    if not stack:
-        return what
-    filename, line, _ = stack[0]
-    code = linecache.getline(filename, line).strip()
-    return f"{what} at {filename}:{line}" + (f": {code}" if code else "")
 
 
 def estimate(
@@ -174,10 +107,21 @@ def estimate(
     optimizer step counters and other one-element CPU tensors are copied with their values, so
     code that reads them (``step.item()`` in Adam) runs on fake tensors.
 
-    An op that fake tensors cannot run (its output depends on tensor values: ``.item()``,
-    ``nonzero``, boolean masks, ``if tensor:``) makes the estimate run ``fn`` for real on CPU
-    copies of the arguments (``method="cpu"``; exact for the bytes a tracker counts, costs host
-    memory and the time of a real run) and ``forced_by`` names the op and the line. A tensor that
+    Values ``fn`` reads on the host stay data-free where they can (:mod:`memlab.estimate.values`).
+    Tensors computed only from the inputs and buffers (token ids, masks, labels, ``arange``) carry
+    their real values while small, so ``.item()``, ``bool()``, ``.tolist()`` and ``.numpy()`` of
+    them, branches on them (Hugging Face's attention-mask and pad-token checks) and sizes they
+    decide (``nonzero``, a boolean mask, ``x[: mask.sum().item()]``) are the real ones. A value
+    that depends on the weights (``loss.item()``, ``clip_grad_norm_(...).item()``) is an unbacked
+    symbol that may be logged, formatted and summed (read as a float it is 0.0). Such values are
+    taken as finite: ``isnan``/``isinf``/``isfinite`` of them and a GradScaler's found-inf check
+    give the answers of a step without overflow, and ``caveats`` says so where the step reads
+    them; ``.numpy()`` of them gives zeros, also in ``caveats``. Where a value the run does not
+    have decides a size or a branch (``int(n)``, ``range(n)``, a size argument, ``if loss > 1:``,
+    ``nonzero`` of an activation), or the run fails after reading one, the estimate runs ``fn``
+    for real on CPU copies of the arguments (``method="cpu"``; exact for the bytes a tracker
+    counts, costs host memory and the time of a real run) and ``forced_by`` names the read or
+    op, the line, and the line the value was read from a tensor. A tensor that
     requires grad and that ``fn`` reaches other than through its arguments or the names it uses
     (a model held by another module's global, say) is an :class:`EstimateError`: its gradients and
     optimizer update would be missing from the estimate.
@@ -254,8 +198,9 @@ def run_estimate(
             start=start, call_context=call_context, gpu=gpu, stacks=stacks,
         )  # fmt: skip
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if method == "fake" else None
-    tracker = _Tracker(
+    # Values read on the host (.item(), bool(), .numpy()): known ones exact, unknown ones symbols.
+    mode, values = fake_mode_with_values() if method == "fake" else (None, None)
+    tracker = EstimateTracker(
         history=True,
         capacity=capacity,
         kernels=device.type if method == "fake" else None,
@@ -271,14 +216,17 @@ def run_estimate(
         isolation,
         _disable_current_modes(),
         mode or contextlib.nullcontext(),
+        values or contextlib.nullcontext(),
         fake_tensor_logs_quiet(),
         fake_deepcopy() if mode else contextlib.nullcontext(),
     ):
-        copier = Copier(_tensor_copier(method, mode))
+        copier = Copier(tensor_copier(method, mode))
         args, kwargs = make_arguments()
         isolation.add(args, kwargs)
         copier.modules_first([*named_objects(fn), args, kwargs])
         call, args, kwargs = copier.function(fn), copier(tuple(args)), copier(dict(kwargs))
+        if values is not None:
+            values.know_inputs(copier)
         if with_grads:
             _give_gradients(copier.modules)
         outside = watch_outside(mode)
@@ -304,7 +252,7 @@ def run_estimate(
                 copier.finish()  # wrappers that allocate when built (DDP's buckets), counted
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
-                copies = OutsideCopies(method, mode, isolation.tensors, outside, _host_scalar)
+                copies = OutsideCopies(method, mode, isolation.tensors, outside, host_scalar)
                 with profiler or contextlib.nullcontext(), copies:
                     isolation.protect()
                     result = None
@@ -332,11 +280,17 @@ def run_estimate(
                     gpu=gpu,
                 )
                 del result
-        except Exception:
+        except Exception as error:
+            if values is not None:
+                values.failed(error)
+                tracker.forced_by = values.forced_by or tracker.forced_by
             if tracker.forced_by is None:
                 raise  # the user's own error, or ours: never hidden
+        if values is not None and values.forced_by is not None:  # also when the step caught ValueNeeded
+            tracker.forced_by = values.forced_by
         if tracker.forced_by is None:
             caveats += outside_tensors(outside) + tracker.size_caveats + copier.caveats + isolation.caveats
+            caveats += values.caveats if values is not None else []
             if device.type == "cuda":
                 caveats += tracker.workspaces.caveats()  # cuDNN's convolution workspaces
             if kernels is not None:
@@ -396,52 +350,6 @@ def _kernels(device: torch.device, data_free: bool, gpu: GPU | None) -> Any:
     from memlab.estimate.kernels import CudaKernels
 
     return CudaKernels(data_free=data_free, gpu=gpu)
-
-
-def _tensor_copier(method: str, mode: FakeTensorMode | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    if method == "fake":
-
-        def fake(tensor: torch.Tensor) -> torch.Tensor:
-            if isinstance(tensor, FakeTensor) and tensor.fake_mode is mode:
-                return tensor  # made by make_arguments under the mode: data-free already
-            if _host_scalar(tensor):
-                # A fake tensor that carries its value (FakeTensorMode's constants, which it makes
-                # itself of torch.tensor(0.0) in a fresh optimizer's first step): reading it
-                # (Adam's step.item()) works, and ops whose inputs are all constants (step += 1)
-                # update it for real. The constant is a clone, so those updates never reach the
-                # user's tensor; one written by a non-constant op stops being readable (PyTorch
-                # invalidates it), and reading it then forces a real run, as any value would.
-                with unset_fake_temporarily():
-                    value = tensor.detach().clone()
-                return mode.fake_tensor_converter.from_real_tensor(mode, value, make_constant=True)
-            return mode.from_tensor(tensor)
-
-        return fake
-    target = "meta" if method == "meta" else "cpu"
-    memo: dict[int, Any] = {}
-
-    def real(tensor: torch.Tensor) -> torch.Tensor:
-        source = tensor.detach()
-        if source.device.type == target:  # keeps views of one storage sharing it
-            import copy
-
-            new = copy.deepcopy(source, memo)
-        else:
-            new = source.to(target, copy=True)
-        return new.requires_grad_(tensor.requires_grad) if tensor.is_leaf else new
-
-    return real
-
-
-def _host_scalar(tensor: torch.Tensor) -> bool:
-    """A one-element CPU tensor outside autograd (an optimizer's step counter, a GradScaler's
-    scale on CPU): the values Python code reads to decide what to do next."""
-    return (
-        tensor.numel() <= 1
-        and tensor.device.type == "cpu"
-        and not tensor.requires_grad
-        and type(tensor) is torch.Tensor  # not a Parameter, not a subclass
-    )
 
 
 def _give_gradients(modules: list[torch.nn.Module]) -> None:

@@ -272,7 +272,7 @@ def test_a_constant_tensor_reached_otherwise_is_a_caveat():
 
 def value_read(model, x):
     hidden = model(x)
-    if hidden.mean() > 100:  # reads a value: fake tensors have none
+    if hidden.mean() > 100:  # a branch on a value that depends on the weights: the run has none
         hidden = hidden * 2
     loss = hidden.sum()
     loss.backward()
@@ -291,8 +291,8 @@ def boolean_mask(model, x):
     [
         (
             value_read,
-            "a tensor's value read in Python (.item(), bool(), int(), float(), if tensor:)",
-            "if hidden.mean() > 100:  # reads a value: fake tensors have none",
+            "a branch on a value the estimate does not have (if, bool(), a comparison)",
+            "if hidden.mean() > 100:  # a branch on a value that depends on the weights: the run has none",
         ),
         (
             boolean_mask,
