@@ -523,3 +523,26 @@ def test_a_write_to_a_numpy_array_passed_as_an_argument_names_the_argument():
 
     with pytest.raises(memlab.EstimateError, match=r"outside its copies \(the arguments\[1\]\) at "):
         memlab.estimate(step, torch.randn(4), numpy.zeros(2))
+
+
+def item_logging_step(model, optimizer, x):
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    LOSSES.append(loss.item())  # an unknown value: a symbol during a data-free run
+    STATS["last"] = f"{LOSSES[-1]:.4f}"
+    return loss
+
+
+@pytest.mark.parametrize("steps", STEPS)
+def test_values_read_with_item_stay_in_the_run_not_in_the_users_objects(steps):
+    model = copy.deepcopy(MODEL)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(*user_state(), model, optimizer)
+
+    estimate = memlab.estimate(item_logging_step, model, optimizer, torch.randn(8, 16), steps=steps)
+
+    assert (estimate.method, estimate.forced_by) == ("fake", None)
+    assert_untouched(before, *user_state(), model, optimizer)
+    assert (LOSSES, STATS) == ([], {"seen": 0})
