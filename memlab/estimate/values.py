@@ -43,12 +43,12 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from memlab.estimate.known import KNOWN_LIMIT, KnownValues
 from memlab.history.recorder import capture_stack
 
-__all__ = ["FINITE", "HostValues", "ValueNeeded", "fake_mode_with_values"]
+__all__ = ["FINITE", "HostValues", "ValueNeeded", "fake_mode_with_values", "stands_for"]
 
 #: The end of the caveat for a value that rests on the assumption that unknown values are finite.
 FINITE = "rests on the assumption that values the estimate does not have are finite (no inf, no NaN)"
@@ -81,6 +81,17 @@ def fake_mode_with_values() -> tuple[FakeTensorMode, HostValues]:
     and the :class:`HostValues` to enter above it."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     return mode, HostValues(mode)
+
+
+def stands_for(fake: torch.Tensor, real: torch.Tensor) -> None:
+    """Inside a data-free estimate, record that ``fake``, a tensor the run made, holds ``real``'s
+    values: data the real program has but the run makes anew where the program would (a batch a
+    data loader collates, :mod:`memlab.integrations`), so that what the step reads of it (an
+    attention-mask check) is known. Outside such a run, or for a tensor that is not fake, nothing."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, HostValues):
+            mode.known.know(fake, real)
+            return
 
 
 class HostValues(TorchDispatchMode):

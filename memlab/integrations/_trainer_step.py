@@ -29,6 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memlab.estimate.result import EstimateError
+from memlab.estimate.values import stands_for
 
 __all__ = ["TrainerLoop", "optimizer_step", "plan_batches", "untouched"]
 
@@ -53,11 +54,15 @@ def _spec(batch: Any) -> Any:
 
 def _allocate(spec: Any, device: torch.device) -> Any:
     """A batch of new tensors of ``spec``'s shapes and values (data-free under the estimate's fake
-    mode), made in the order the collator made the real batch's (a dict's insertion order)."""
+    mode, where the run knows the values: :func:`memlab.estimate.values.stands_for`), made in the
+    order the collator made the real batch's (a dict's insertion order)."""
     if isinstance(spec, _Spec):
         value = spec.value
         new = torch.empty(value.shape, dtype=value.dtype, device=device)
-        return new if isinstance(new, FakeTensor) else new.copy_(value)
+        if not isinstance(new, FakeTensor):
+            return new.copy_(value)
+        stands_for(new, value)  # its values known to the run: HF's mask checks stay data-free
+        return new
     if isinstance(spec, dict):
         return type(spec)({key: _allocate(value, device) for key, value in spec.items()})
     if isinstance(spec, (list, tuple)):
