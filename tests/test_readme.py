@@ -91,7 +91,7 @@ def run(command: list[str] | str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 def test_the_readme_has_blocks_of_every_kind():
     languages = {language for language, _, _ in blocks()}
-    assert {"python", "text", "ipython", "bash"} <= languages
+    assert {"python", "text", "ipython", "bash", "console"} <= languages
     assert len(python_blocks()) >= 4 and sum(len(commands) for commands, _ in command_blocks()) >= 4
 
 
