@@ -21,6 +21,7 @@ import torch
 from memlab import _offload
 from memlab._devices import DeviceLike, cuda_device_exists, parse_device, require_usable
 from memlab._movable import describe, movable_storages
+from memlab.sources.constructors import unseen_storage
 
 __all__ = ["Courtesy"]
 
@@ -280,8 +281,9 @@ class Courtesy:
         """A CPU tensor with the view's shape and dtype over one shared, read-only element (stride 0)."""
         storage = self._placeholders.get(view.dtype)
         if storage is None:
-            # Built outside the dispatcher: a tracker sees no allocation for the placeholders.
-            storage = torch.UntypedStorage(view.dtype.itemsize)
+            # Built outside the dispatcher and unseen by the storage constructor's observers: a
+            # tracker sees no allocation for the placeholders.
+            storage = unseen_storage(view.dtype.itemsize)
             element = torch.empty(0, dtype=view.dtype).set_(storage, 0, (1,), (1,))
             element.fill_(math.nan if view.dtype.is_floating_point or view.dtype.is_complex else 0)
             # Every kernel that writes asks the storage for a mutable data pointer; this makes that

@@ -133,9 +133,40 @@ def estimate(
             f"fn must be callable (a function, module or method), got {type(fn).__name__} {fn!r:.80}"
         )
     steps = check_count(steps, "steps", 1)
+    _check_trainer_method(fn)
     modelled = resolve_gpu(gpu)
     target = _target("cuda" if device is None and gpu is not None else device, (fn, args, kwargs))
-    return run_estimate(fn, lambda: (args, kwargs), target, steps=steps, gpu=modelled)
+    built = run_estimate(fn, lambda: (args, kwargs), target, steps=steps, gpu=modelled)
+    if _owner_class(fn, _LIGHTNING_MODULE) and getattr(fn, "__name__", "") == "training_step":
+        built.caveats.append(
+            "a LightningModule's training_step holds the forward only: the backward pass and the "
+            "optimizer step are not in this estimate (memlab.integrations.lightning.estimate(trainer, "
+            "module) runs them)"
+        )
+    return built
+
+
+#: The classes (module, qualified name) whose methods a plain estimate cannot run as a training step.
+_TRAINER = ("transformers.trainer", "Trainer")
+_LIGHTNING_MODULE = ("lightning.pytorch.core.module", "LightningModule")
+
+
+def _owner_class(fn: Any, cls: tuple[str, str]) -> bool:
+    """Whether ``fn`` is a method bound to an instance of ``cls`` (or a subclass), found by name:
+    the framework is not imported."""
+    owner = getattr(fn, "__self__", None)
+    return owner is not None and any((c.__module__, c.__qualname__) == cls for c in type(owner).__mro__)
+
+
+def _check_trainer_method(fn: Any) -> None:
+    """A Hugging Face ``Trainer``'s methods run only inside ``train()`` (its loop sets the state they
+    read): a ``TypeError`` naming the integration that estimates its steps."""
+    if _owner_class(fn, _TRAINER):
+        raise TypeError(
+            f"fn is Trainer.{getattr(fn, '__name__', '?')}, which runs only inside trainer.train() (it reads "
+            "state the training loop sets); estimate the trainer's optimizer steps with "
+            "memlab.integrations.transformers.estimate(trainer)"
+        )
 
 
 def _target(device: torch.device | str | None, roots: Any) -> torch.device:

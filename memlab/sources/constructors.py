@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["follow_new_storages"]
+__all__ = ["follow_new_storages", "unseen_storage"]
 
 _lock = threading.Lock()
 _observers: list[Callable[[torch.UntypedStorage], None]] = []
@@ -72,6 +72,16 @@ def follow_new_storages(observer: Callable[[torch.UntypedStorage], None]) -> Cal
             _replaced.clear()
 
     return stop
+
+
+def unseen_storage(nbytes: int) -> torch.UntypedStorage:
+    """A CPU ``torch.UntypedStorage`` of ``nbytes`` that no observer is told about: memlab's own
+    host bookkeeping (:class:`memlab.Courtesy`'s placeholders), which no tracker counts."""
+    before, _inside.active = getattr(_inside, "active", False), True
+    try:
+        return torch.UntypedStorage(nbytes)
+    finally:
+        _inside.active = before
 
 
 def _tell(make: Callable[[], torch.UntypedStorage]) -> torch.UntypedStorage:

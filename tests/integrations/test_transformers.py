@@ -289,3 +289,17 @@ def test_bad_inputs(tmp_path):
         hf.max_batch_size(trainer, "1 GiB")
     with pytest.raises(ValueError, match="log_categories"):
         hf.MemlabCallback(log_categories=-1)
+
+
+def test_a_trainers_method_given_to_memlab_estimate_names_the_integration(tmp_path):
+    trainer = make_trainer(tmp_path / "trainer")
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
+
+    with pytest.raises(TypeError) as raised:
+        memlab.estimate(trainer.training_step, trainer.model, batch)
+
+    assert str(raised.value) == (
+        "fn is Trainer.training_step, which runs only inside trainer.train() (it reads state the training "
+        "loop sets); estimate the trainer's optimizer steps with "
+        "memlab.integrations.transformers.estimate(trainer)"
+    )
