@@ -9,7 +9,8 @@
 - a ```` ```console ```` block is a terminal session: each ``$ `` line is a command run in a directory
   holding the repository's ``memlab/`` and ``tests/`` (so ``tests/data/configs/...`` resolves), and the
   lines after it, up to the next ``$ ``, are exactly what it prints (stdout, then stderr); it exits 0,
-  or 2 where what it prints is a one-line ``error:``.
+  or 2 where what it prints is a one-line ``error:``; a ```` ```shellsession ```` block (rendered alike)
+  is an illustration with elided output or timings, and is not run.
 """
 
 from __future__ import annotations
