@@ -15,13 +15,19 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memlab._devices import parse_device
 from memlab._gpus import GpuLike, resolve_gpu
 from memlab._units import check_count
-from memlab.estimate.estimate import Estimate, _target, run_estimate
+from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
 
 __all__ = ["MemlabCallback", "TrainerBatchFit", "estimate", "max_batch_size"]
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """Whose kernels the estimate mimics: the target GPU (``"cuda"``) unless ``device`` says otherwise."""
+    return parse_device("cuda" if device is None else device, name="device")
 
 
 def _check_trainer(trainer: Any) -> None:
@@ -91,7 +97,7 @@ def _run(
     view, optimizer, scheduler, (plan, num_training_steps) = _prepare(trainer, steps, batch_size)
     model = trainer.model
     modelled = resolve_gpu(gpu)
-    target = _target("cuda" if device is None and gpu is not None else device, (model,))
+    target = _device(device)
 
     def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (view, model, optimizer, TrainerLoop(plan, scheduler, num_training_steps)), {}
@@ -133,12 +139,14 @@ def estimate(
     from the start. Not seen: callbacks, logging steps (``logging_steps``: a few 512-byte
     temporaries), evaluation and checkpoint saving, and what :class:`memlab.Estimate` lists.
 
-    ``device``/``gpu``: as for :func:`memlab.estimate` (default: the model's device type; naming a
-    ``gpu`` makes it ``"cuda"``). A trainer built on CPU autocasts as CPU does: estimated for a GPU,
-    its bf16/fp16 steps keep CPU's autocast (a caveat says so). One process only (an
-    ``EstimateError`` for a distributed run). Where the step reads a tensor's value (HF's attention
-    mask checks) the estimate runs for real on CPU copies (``method="cpu"``, ``forced_by``), its
-    batches holding the real batches' values.
+    ``device``: whose kernels to mimic, default ``"cuda"`` (the training GPU; ``gpu`` as for
+    :func:`memlab.estimate`: default the GPU in use, else an H100); ``"cpu"`` estimates a CPU run.
+    A trainer built on CPU autocasts as CPU does: estimated for a GPU, its bf16/fp16 steps keep
+    CPU's autocast (a caveat says so). One process only (an ``EstimateError`` for a distributed
+    run). The batches the estimate makes hold the loader's values for the run
+    (:func:`memlab.estimate.values.stands_for`), so what the step reads of them (HF's attention-mask
+    checks) is answered as the real step answers it, data-free; reads that force a real run are
+    those :func:`memlab.estimate` names in ``forced_by``.
     """
     _check_trainer(trainer)
     steps = check_count(steps, "steps", 1)
@@ -217,7 +225,7 @@ def max_batch_size(
     _check_trainer(trainer)
     steps = check_count(steps, "steps", 1)
     modelled = modelled_gpu(gpu)
-    target = _target("cuda" if device is None and gpu is not None else device, (trainer.model,))
+    target = _device(device)
     limit, extra = budget_in_bytes(budget, headroom, target, modelled)
 
     def run(size: int, capacity: int | None) -> Estimate:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,8 +99,8 @@ def holders(values: list[Any]) -> list[Any]:
     found: list[Any] = []
     for value in values:
         found.append(value)
-        if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, type)):
-            continue
+        if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, type, ModuleType)):
+            continue  # a Python module (`dist`, `torch`) holds no trainer; its attributes may warn
         held = getattr(value, "__dict__", None)
         if not isinstance(held, dict):
             continue

@@ -272,10 +272,16 @@ def test_callback_warns_at_train_begin_and_explains_the_oom(tmp_path):
 def test_estimate_for_a_gpu_from_a_cpu_trainer_names_the_autocast_it_ran(tmp_path):
     estimate = hf.estimate(make_trainer(tmp_path), steps=1, gpu="A100")
     assert estimate.device.type == "cuda" and estimate.method == "fake"
+    assert estimate.gpu.name == "A100"
     assert estimate.caveats[-1] == (
         "the trainer was built on cpu: its bf16/fp16 steps ran under cpu's autocast, which casts other "
         "ops than CUDA's autocast does on a GPU"
     )
+
+
+def test_the_default_estimate_is_for_the_training_gpu(tmp_path):
+    estimate = hf.estimate(make_trainer(tmp_path), steps=1)  # built on this CPU machine
+    assert (estimate.device.type, estimate.gpu.name) == ("cuda", "H100")
 
 
 def test_bad_inputs(tmp_path):
