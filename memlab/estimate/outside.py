@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab._units import format_size
+from memlab.estimate.modes import UnwrappedDispatch
 from memlab.estimate.result import EstimateError
 
 __all__ = ["OutsideCopies", "outside_tensors", "watch_outside"]
@@ -81,7 +82,7 @@ def _check_trainable(tensor: torch.Tensor) -> None:
         )
 
 
-class OutsideCopies(TorchDispatchMode):
+class OutsideCopies(UnwrappedDispatch, TorchDispatchMode):
     """A dispatch mode, entered above the estimate's tracker, that hands each op copies of the user's
     tensors in place of the tensors themselves, one copy per tensor for the whole run.
 

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from memlab.estimate.modes import UnwrappedDispatch
 from memlab.estimate.sizes import RealSizes
 from memlab.history.recorder import _no_stack, capture_stack
 from memlab.sources.tracker import TensorTracker
@@ -31,7 +32,7 @@ _OP_NAMES = {
 }
 
 
-class EstimateTracker(TensorTracker):
+class EstimateTracker(UnwrappedDispatch, TensorTracker):
     """A tracker that remembers the first op fake tensors could not run, and where, and (given
     ``kernels``, whose kernels a fake run mimics) counts the storages real kernels allocate where
     they differ from the meta kernels' (:mod:`memlab.estimate.sizes`)."""

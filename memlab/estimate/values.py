@@ -46,6 +46,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from memlab.estimate.known import KNOWN_LIMIT, KnownValues
+from memlab.estimate.modes import UnwrappedDispatch
 from memlab.history.recorder import capture_stack
 
 __all__ = ["FINITE", "HostValues", "ValueNeeded", "fake_mode_with_values", "stands_for"]
@@ -94,7 +95,7 @@ def stands_for(fake: torch.Tensor, real: torch.Tensor) -> None:
             return
 
 
-class HostValues(TorchDispatchMode):
+class HostValues(UnwrappedDispatch, TorchDispatchMode):
     """Known values computed alongside a fake run, and the host's reads of values (see the module
     docstring). Enter it above ``mode`` (made by :func:`fake_mode_with_values`) and below the
     tracker. ``forced_by``: why the run needs real values (the op or read, and the line), or None;
