@@ -79,6 +79,19 @@ def tracked_run(model, optimizer, x, y):
     return stats, peak, end
 
 
+def two_linears() -> torch.nn.Module:
+    """Two bias-free ``Linear(1024, 1024)``: the model of the published check."""
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
+    )
+
+
+def forward_backward(model, x):
+    loss = model(x).sum()
+    loss.backward()
+    return loss
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_estimate_of_a_training_step_equals_the_tracked_real_run(name):
     make, shape = MODELS[name]
@@ -112,18 +125,11 @@ def test_published_check_two_linear_layers():
     20,972,032 B after the backward (two bias-free Linear(1024, 1024), input (4, 256, 1024)); with
     the cuBLAS workspaces a GPU allocates through the caching allocator on top: the forward
     thread's, then the autograd thread's (none with ``CUBLAS_WORKSPACE_CONFIG=:0:0``)."""
-    model = torch.nn.Sequential(
-        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
-    )
+    model = two_linears()
     x = torch.randn(4, 256, 1024)
 
     def forward(model, x):
         return model(x).sum()
-
-    def forward_backward(model, x):
-        loss = model(x).sum()
-        loss.backward()
-        return loss
 
     assert memlab.estimate(forward, model, x).stats["allocated_bytes.all.current"] == 16_777_728 + WORKSPACE
     assert memlab.estimate(forward_backward, model, x).stats["allocated_bytes.all.current"] == (
@@ -136,15 +142,8 @@ def test_published_check_two_linear_layers():
 
 
 def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
-    model = torch.nn.Sequential(
-        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
-    )
+    model = two_linears()
     x = torch.randn(4, 256, 1024)
-
-    def forward_backward(model, x):
-        loss = model(x).sum()
-        loss.backward()
-        return loss
 
     estimate = memlab.estimate(forward_backward, model, x)
     weight = 1024 * 1024 * 4  # each weight and each gradient
@@ -170,14 +169,7 @@ def test_by_category_at_the_peak_equals_sums_computed_from_the_shapes():
 def test_an_estimate_without_stacks_has_the_same_peaks_and_categories():
     from memlab.estimate.estimate import run_estimate
 
-    model = torch.nn.Sequential(
-        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
-    )
-
-    def forward_backward(model, x):
-        loss = model(x).sum()
-        loss.backward()
-        return loss
+    model = two_linears()
 
     def arguments():
         return (model, torch.randn(4, 256, 1024)), {}
@@ -350,14 +342,7 @@ def test_fits_compares_peak_reserved_with_a_budget():
 
 
 def test_line_profile_gives_the_line_profiler_table_without_allocating():
-    model = torch.nn.Sequential(
-        torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False)
-    )
-
-    def forward_backward(model, x):
-        loss = model(x).sum()
-        loss.backward()
-        return loss
+    model = two_linears()
 
     estimate = memlab.estimate(forward_backward, model, torch.randn(4, 256, 1024))
     columns = ["allocated_bytes.all.current"]
