@@ -22,10 +22,8 @@ from __future__ import annotations
 import collections
 import functools
 import linecache
-import os
 import random
 import sys
-import sysconfig
 import traceback
 import types
 import warnings
@@ -36,6 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memlab._user_code import is_library_file
 from memlab.estimate.restore import (
     MISSING,
     RandomStates,
@@ -364,22 +363,10 @@ def _name(path: tuple[Any, ...]) -> str:
 def _where(error: BaseException) -> str:
     """`` at file:line: code`` of the user's frame that raised ``error`` (the innermost outside libraries)."""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if not _library_file(frame.filename):
+        if not is_library_file(frame.filename):
             code = linecache.getline(frame.filename, frame.lineno or 0).strip()
             return f" at {frame.filename}:{frame.lineno}" + (f": {code}" if code else "")
     return ""
-
-
-@functools.cache
-def _library_paths() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {os.path.realpath(paths[key]) for key in ("stdlib", "purelib", "platlib")}
-    memlab_root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    return (*sorted(root + os.sep for root in roots), memlab_root + os.sep)
-
-
-def _library_file(filename: str) -> bool:
-    return os.path.realpath(filename).startswith(_library_paths())
 
 
 @functools.cache
@@ -392,4 +379,4 @@ def _library(module_name: str | None) -> bool:
     if module is None:
         return False  # a namespace made by exec, say: the user's
     filename = getattr(module, "__file__", None)
-    return filename is None or _library_file(filename)
+    return filename is None or is_library_file(filename)
