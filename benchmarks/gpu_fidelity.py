@@ -323,12 +323,13 @@ class Context:
 
 
 def workspace_bytes(capability: tuple[int, int], metric: str) -> int:
-    """The cuBLAS workspace of one handle and stream (CublasHandlePool.cpp: ``getChosenWorkspaceSize``:
-    4096 KiB x 8 on sm90 and newer, 4096 KiB x 2 + 16 KiB x 8 before), or the segment it takes."""
+    """The cuBLAS workspaces of a training step, or the segments they take: one per handle and stream
+    (CublasHandlePool.cpp: ``getChosenWorkspaceSize``: 4096 KiB x 8 on sm90 and newer, 4096 KiB x 2 +
+    16 KiB x 8 before), and a step has two handles: the forward's thread and the autograd engine's."""
     size = 4096 * 1024 * 8 if capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
     if metric == "reserved":  # CUDACachingAllocator: requests below 10 MiB get a 20 MiB segment
-        return 20 * MiB if size < 10 * MiB else math.ceil(size / (2 * MiB)) * 2 * MiB
-    return size
+        size = 20 * MiB if size < 10 * MiB else math.ceil(size / (2 * MiB)) * 2 * MiB
+    return 2 * size
 
 
 NON_GPU = ("gpu_tracker", "cpu_tracker", "estimate")
@@ -336,9 +337,9 @@ BOTH = ("allocated", "reserved")
 CAUSES: tuple[Cause, ...] = (
     Cause(
         "workspace",
-        "cuBLAS/cuBLASLt workspace: allocated through the caching allocator at the first matmul per "
-        "stream, not a tensor (CublasHandlePool.cpp); no tracker sees it, a modelled allocator only "
-        "where the installed memlab models it",
+        "cuBLAS/cuBLASLt workspaces: allocated through the caching allocator at the first matmul per "
+        "thread and stream (the forward's, the autograd engine's), not tensors (CublasHandlePool.cpp); "
+        "no tracker sees them, a modelled allocator only where the installed memlab models them",
         NON_GPU, BOTH, +1, lambda case, ctx: True,
         lambda case, ctx, metric: workspace_bytes(ctx.capability, metric),
     ),

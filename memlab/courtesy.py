@@ -60,7 +60,8 @@ class Courtesy:
     ``.grad``, buffers, optimizer state, plain tensors, and the bases of views) off the device, in
     place: the tensors stay the same Python objects, each storage is copied once and every tensor
     on it is re-pointed at the copy with its own offset, sizes and strides, so views stay views.
-    On CUDA it then calls ``torch.cuda.empty_cache()``. Parking is all or nothing: if it fails
+    On CUDA it then frees cuBLAS's workspaces (made again at the next matmul) and calls
+    ``torch.cuda.empty_cache()``. Parking is all or nothing: if it fails
     part-way (a full disk, an out-of-memory error, Ctrl-C), every tensor it moved is back on its
     original storage and the files it wrote are removed before the error is raised.
 
@@ -151,6 +152,9 @@ class Courtesy:
             for moved in self._moved[first:]:
                 moved.original = None  # parked: the device memory is released here
             if self.device.type == "cuda" and torch.cuda.is_initialized():
+                # cuBLAS's workspaces (32 MiB per handle and stream on sm90) are allocated blocks no
+                # tensor holds; PyTorch makes them again at the next matmul.
+                torch._C._cuda_clearCublasWorkspaces()
                 torch.cuda.empty_cache()
         except BaseException:
             with _offload.interrupts_held():

@@ -65,6 +65,10 @@ class CudaSource:
             raise ValueError(f"unknown statistic {unknown[0]!r}; valid keys are: {', '.join(STAT_KEYS)}")
         target = self._device(device)
         keys = tuple(keys)
+        # Resetting the peaks before anything touched CUDA fails ("Invalid device argument": the
+        # caching allocator is made at CUDA's lazy initialisation), e.g. under
+        # ``torch.set_default_device("cuda")`` before the first tensor.
+        torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(target)
 
         def sample() -> tuple[int, ...]:

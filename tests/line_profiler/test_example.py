@@ -75,8 +75,8 @@ def test_on_a_gpu_the_modelled_numbers_per_line_match_the_gpus_own():
             for _ in range(3):
                 with gpu, modelled:
                     step(model, optimizer, inputs, targets)
-    measured = [row[1] for row in gpu.to_dataframe(step, columns).itertuples(index=False)]
-    replayed = [row[1] for row in modelled.to_dataframe(step, columns).itertuples(index=False)]
+    measured = [row[0] for row in gpu.to_dataframe(step, columns).itertuples(index=False)]
+    replayed = [row[0] for row in modelled.to_dataframe(step, columns).itertuples(index=False)]
     gaps = [m - r for m, r in zip(measured, replayed, strict=True) if not pd.isna(m)]
     assert all(gap >= 0 for gap in gaps), (measured, replayed)
     assert len(set(gaps[1:])) == 1, (measured, replayed)  # the workspace, the same on every line

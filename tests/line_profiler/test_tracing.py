@@ -316,7 +316,7 @@ def test_on_a_gpu_the_published_example_reads_from_cuda_itself(rows):
     lp = memlab.LineProfiler(build, target_gpu=0)
     with lp:
         build()
-    assert lp._session_exit is None
+    assert lp.source_line() == "measured on cuda:0 (torch.cuda.memory_stats)"
     assert rows(lp, build, ("hits", "active_bytes.all.peak"))[1] == (
         'linear = torch.nn.Linear(100, 100, device="cuda")',
         1,
