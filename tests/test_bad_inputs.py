@@ -655,3 +655,41 @@ def test_the_cli_table_covers_every_subcommand() -> None:
     from memlab.commands import COMMANDS
 
     assert {argv[0] for argv, _ in CLI if argv and not argv[0].startswith("-")} == {*COMMANDS, "bogus"}
+
+
+# -- issue 25: messages ----
+
+_GPU_VALID = (
+    "valid: a GPU name (V100, V100-32GB, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, H100, "
+    "H100-NVL, GH200, H200, B200), a compute capability ('sm90', (9, 0)) or None; the compute "
+    "capabilities: sm35, sm37, sm50, sm52, sm53, sm60, sm61, sm62, sm70, sm72, sm75, sm80, sm86, sm87, "
+    "sm89, sm90, sm100, sm103, sm110, sm120, sm121"
+)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "message"),
+    [
+        ("sm99", "gpu 'sm99' is not the compute capability of any NVIDIA GPU; "),
+        ((9, 9), "gpu (9, 9) is not the compute capability of any NVIDIA GPU; "),
+        ("sm_91", "gpu 'sm_91' is not the compute capability of any NVIDIA GPU; "),
+        ("H800", "gpu 'H800' is not a GPU memlab knows; "),
+        ("RTX 4090 D", "gpu 'RTX 4090 D' is not a GPU memlab knows (it does not read 'D'); "),
+        (
+            "A100 64GB",
+            "gpu 'A100 64GB': memlab knows the A100 with 80 GB (A100) or 40 GB (A100-40GB), not 64 GB; ",
+        ),
+        (
+            "GH200 144G HBM3e",
+            "gpu 'GH200 144G HBM3e': memlab knows the GH200 with 96 GB (GH200), not 144 GB; ",
+        ),
+        ("A100 80GB 40GB", "gpu 'A100 80GB 40GB' is not a GPU memlab knows (it does not read '40GB'); "),
+    ],
+)
+def test_an_unknown_gpu_or_capability_is_a_value_error_listing_the_valid_ones(gpu: Any, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        memlab.estimate(work, 16, device="cuda", gpu=gpu)
+    assert str(raised.value) == message + _GPU_VALID
+    with pytest.raises(ValueError) as raised:
+        memlab.TensorTracker(gpu=gpu)
+    assert str(raised.value) == message + _GPU_VALID

@@ -314,9 +314,11 @@ def test_batch_size_zero(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_unknown_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_error(capsys, GPT2, "--gpu", "X9000") == (
-        "memlab estimate: error: --gpu 'X9000' is not a GPU memlab knows; valid: a GPU name (V100, T4, "
-        "A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, H100, H200, B200), a compute capability "
-        "('sm90', (9, 0)) or None"
+        "memlab estimate: error: --gpu 'X9000' is not a GPU memlab knows; valid: a GPU name (V100, "
+        "V100-32GB, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, H100, H100-NVL, GH200, H200, "
+        "B200), a compute capability ('sm90', (9, 0)) or None; the compute capabilities: sm35, sm37, sm50, "
+        "sm52, sm53, sm60, sm61, sm62, sm70, sm72, sm75, sm80, sm86, sm87, sm89, sm90, sm100, sm103, sm110, "
+        "sm120, sm121"
     )
 
 
@@ -329,8 +331,8 @@ def test_world_size_without_a_sharding(capsys: pytest.CaptureFixture[str]) -> No
 def test_max_batch_size_without_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_error(capsys, GPT2, "--gpu", "sm87", "--max-batch-size") == (
         "memlab estimate: error: --max-batch-size needs a budget: --gpu sm87 gives only a compute "
-        "capability; name a GPU (V100, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, H100, H200, "
-        "B200) or pass --budget"
+        "capability; name a GPU (V100, V100-32GB, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, "
+        "H100, H100-NVL, GH200, H200, B200) or pass --budget"
     )
 
 
