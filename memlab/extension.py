@@ -34,7 +34,7 @@ from memlab._arguments import (
     check_snapshot_path,
     columns_shown,
 )
-from memlab._devices import cuda_device_exists, parse_device
+from memlab._devices import cuda_device_exists, parse_device, require_usable
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
 from memlab._outputs import check_output_path
 from memlab.history.recording import collect_unwritten, snapshot_recorded
@@ -56,6 +56,8 @@ def split_statement(line: str) -> tuple[str, str]:
     """Split a ``%mlrun`` line into its options and the statement that follows them, verbatim.
 
     Options end at the first word that is neither an option nor an option's value, or at ``--``.
+    ``ValueError`` when a quote in the options (``-f "train step``) is never closed; a quote left open
+    in the statement is the statement's own (Python reads it, not shlex).
     """
     lexer = shlex.shlex(line, posix=True)
     lexer.whitespace_split = True
@@ -66,7 +68,9 @@ def split_statement(line: str) -> tuple[str, str]:
         start = stream.tell()
         try:
             token = lexer.get_token()
-        except ValueError:  # an unbalanced quote: not an option
+        except ValueError:  # an unbalanced quote: in an option or its value, or in the statement
+            if expect_value or line[start:].lstrip().startswith("-"):
+                raise ValueError(_unbalanced("%mlrun", line, "options")) from None
             return line[:start], line[start:].strip()
         if token is None:
             return line, ""
@@ -83,6 +87,32 @@ def split_statement(line: str) -> tuple[str, str]:
                 if flag in _SHORT_VALUE_OPTIONS:
                     expect_value = i == len(token) - 1
                     break
+
+
+def _unbalanced(magic: str, line: str, where: str) -> str:
+    """The message for a quote that ``line`` opens and never closes, or for a backslash that ends it:
+    what shlex cannot read."""
+    quote, escaped = "", False
+    for char in line:
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif not quote and char in "'\"":
+            quote = char
+        elif char == quote:
+            quote = ""
+    if not quote:  # shlex's other error: a backslash that ends the line
+        return f"{magic} {line.strip()}: the \\ that ends the {where} escapes nothing; remove it"
+    return f"{magic} {line.strip()}: unbalanced quote ({quote}) in the {where}; close it or remove it"
+
+
+def _parse(magic: Any, name: str, line: str) -> Any:
+    """``parse_argstring`` with an unclosed quote as a ``UsageError`` (IPython's is a ValueError)."""
+    try:
+        return parse_argstring(magic, line)
+    except ValueError:
+        raise UsageError(_unbalanced(name, line, "arguments")) from None
 
 
 def _bound_names(node: ast.AST) -> set[str]:
@@ -170,8 +200,11 @@ class MemlabMagics(Magics):
         (:meth:`memlab.TensorTracker.by_module`, highest peak first; ``-f`` is then optional),
         measured by a tracker that adopts what ``gc`` can reach when the magic starts.
         """
-        options, statement = split_statement(line)
-        args = parse_argstring(self.mlrun, options)
+        try:
+            options, statement = split_statement(line)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        args = _parse(self.mlrun, "%mlrun", options)
         if cell is not None:
             if statement:
                 raise UsageError(f"%%mlrun takes only options on its first line, got {statement!r}")
@@ -294,7 +327,7 @@ class MemlabMagics(Magics):
         Sizes are storage bytes (``nbytes``; on CUDA rounded to the allocator's 512 B blocks).
         Not visible: autograd's saved tensors, C++-held buffers, the allocator's cache.
         """
-        args = parse_argstring(self.memreport, line)
+        args = _parse(self.memreport, "%memreport", line)
         namespace = _namespace(self.shell.user_ns, local_ns)
         model = None
         if args.model:
@@ -310,7 +343,11 @@ class MemlabMagics(Magics):
             if isinstance(value, torch.optim.Optimizer):
                 reporter.add_optimizer(value)
         try:
-            device = None if args.device is None else parse_device(args.device, name="-d")
+            device = (
+                None
+                if args.device is None
+                else require_usable(parse_device(args.device, name="-d"), name="-d")
+            )
         except ValueError as error:
             raise UsageError(str(error)) from None
         reporter.report(verbose=args.verbose, device=device)

@@ -693,3 +693,79 @@ def test_an_unknown_gpu_or_capability_is_a_value_error_listing_the_valid_ones(gp
     with pytest.raises(ValueError) as raised:
         memlab.TensorTracker(gpu=gpu)
     assert str(raised.value) == message + _GPU_VALID
+
+
+@pytest.fixture
+def ipython() -> Any:
+    """IPython's test shell with memlab loaded and a model, a function and an optimizer defined."""
+    from IPython.testing import globalipapp
+
+    shell = globalipapp.get_ipython()
+    shell.reset(new_session=False)
+    shell.extension_manager.load_extension("memlab")
+    shell.run_cell("import torch\nlin = torch.nn.Linear(4, 4)\ndef work():\n    return 1\n")
+    yield shell
+    shell.reset(new_session=False)
+
+
+def _magic_error(shell: Any, magic: str, line: str) -> str:
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError) as raised:
+        shell.run_line_magic(magic, line)
+    return str(raised.value)
+
+
+def test_memreport_of_a_gpu_that_is_not_here_is_the_usage_error_of_mlrun(ipython: Any) -> None:
+    assert not torch.cuda.is_available()
+    memreport = _magic_error(ipython, "memreport", "-d cuda:7")
+    mlrun = _magic_error(ipython, "mlrun", "-g cuda:7 -f work work()")
+    assert mlrun == "-g cuda:7: no such GPU (this machine has no CUDA GPU); use 'cpu' or 'meta' to model one"
+    assert memreport == mlrun.replace("-g cuda:7", "-d cuda:7")
+    assert _magic_error(ipython, "memreport", "-d cuda:7 lin") == memreport
+
+
+@pytest.mark.parametrize(
+    ("magic", "line", "message"),
+    [
+        (
+            "mlrun",
+            '-f "train step',
+            '%mlrun -f "train step: unbalanced quote (") in the options; close it or remove it',
+        ),
+        (
+            "mlrun",
+            "-f 'work work()",
+            "%mlrun -f 'work work(): unbalanced quote (') in the options; close it or remove it",
+        ),
+        (
+            "mlrun",
+            "--function='work work()",
+            "%mlrun --function='work work(): unbalanced quote (') in the options; close it or remove it",
+        ),
+        (
+            "mlrun",
+            '-f work -T "out.txt work()',
+            '%mlrun -f work -T "out.txt work(): unbalanced quote (") in the options; close it or remove it',
+        ),
+        (
+            "mlrun",
+            "-f work -T \\",
+            "%mlrun -f work -T \\: the \\ that ends the options escapes nothing; remove it",
+        ),
+        (
+            "memreport",
+            '"lin',
+            '%memreport "lin: unbalanced quote (") in the arguments; close it or remove it',
+        ),
+        (
+            "memreport",
+            "-d 'cpu lin",
+            "%memreport -d 'cpu lin: unbalanced quote (') in the arguments; close it or remove it",
+        ),
+    ],
+)
+def test_an_unbalanced_quote_in_a_magics_options_is_a_usage_error(
+    ipython: Any, magic: str, line: str, message: str
+) -> None:
+    assert _magic_error(ipython, magic, line) == message

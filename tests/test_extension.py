@@ -279,6 +279,7 @@ def test_memreport_usage_errors(ip: Any, line: str, named: str) -> None:
         ("--function=f --quiet f()", "f()"),
         ('-f f print("it\'s")', 'print("it\'s")'),
         ("-f f -- -x", "-x"),
+        ("-f f print('\\'')", "print('\\'')"),  # shlex finds no closing quote: the statement's own
         ("-f f", ""),
         ("", ""),
     ],
