@@ -769,3 +769,22 @@ def test_an_unbalanced_quote_in_a_magics_options_is_a_usage_error(
     ipython: Any, magic: str, line: str, message: str
 ) -> None:
     assert _magic_error(ipython, magic, line) == message
+
+
+def test_memlab_run_dev_null_runs_as_python_does(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(decorators, "_global", None)
+    python = subprocess.run([sys.executable, os.devnull], capture_output=True, text=True, check=False)
+    assert (python.returncode, python.stdout, python.stderr) == (0, "", "")
+    empty = tmp_path / "empty.py"
+    empty.write_bytes(b"")
+    assert main(["run", str(empty)]) == 0
+    as_empty_script = capsys.readouterr()
+    assert main(["run", os.devnull]) == python.returncode
+    assert capsys.readouterr() == as_empty_script
+    assert as_empty_script.out == ""
+    assert as_empty_script.err == (
+        "memlab run: nothing was profiled: decorate functions with @memlab.profile or name them with -f\n"
+    )

@@ -578,3 +578,23 @@ def test_run_on_meta_of_a_cpu_script_says_why_every_byte_is_zero(script: Path, c
         "the program's first line; no tensor was made on meta, so every byte column is 0: the tensors were "
         "on cpu (measure cpu to see them)"
     )
+
+
+def test_a_script_read_from_a_pipe_runs_and_shows_its_lines(capsys: Any) -> None:
+    read, write = os.pipe()  # as bash's <(...) passes a script: /dev/fd/N, readable once
+    os.write(write, b"import memlab, torch\n@memlab.profile\ndef f():\n    return torch.empty(256)\nf()\n")
+    os.close(write)
+    try:
+        assert main(["run", f"/dev/fd/{read}"]) == 0
+    finally:
+        os.close(read)
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "## f",
+        "",
+        "active_bytes reserved_bytes line  code",
+        "         all            all",
+        "        peak           peak",
+        "                               2  @memlab.profile",
+        "       0.00B          0.00B    3  def f():",
+        "       1.00K          2.00M    4      return torch.empty(256)",
+    ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
+import linecache
 import os
 import sys
 import traceback
@@ -23,8 +24,9 @@ __all__ = ["MainProgram"]
 class MainProgram:
     """``target`` (a script path, or a module name when ``as_module``) with arguments ``args``.
 
-    Raises :class:`CommandError` when the script does not exist or is a directory, or the module
-    cannot be found.
+    Raises :class:`CommandError` when the script does not exist, is a directory or cannot be read,
+    or the module cannot be found. A script is any file python would run: a regular file,
+    ``/dev/null`` (an empty script), a pipe.
     """
 
     def __init__(self, target: str, args: Sequence[str], as_module: bool = False) -> None:
@@ -42,12 +44,18 @@ class MainProgram:
                     f"{target!r} is a directory, not a script: name a .py file in it, or run a package "
                     "with -m package"
                 )
-            if not os.path.isfile(target):
+            if not os.path.exists(target):
                 raise CommandError(f"no such script: {target!r}")
-            with open(target, "rb") as file:
-                source = file.read()
+            try:  # any file python reads: /dev/null, a pipe (<(...), /dev/stdin)
+                with open(target, "rb") as file:
+                    source = file.read()
+            except OSError as error:
+                raise CommandError(f"cannot read script {target!r}: {error.strerror or error}") from None
             path = os.path.abspath(target)
             self.code = compile(source, path, "exec", dont_inherit=True)
+            if not os.path.isfile(target):  # a pipe cannot be read twice: keep its lines for the table
+                text = source.decode("utf-8", "replace")
+                linecache.cache[path] = (len(text), None, text.splitlines(keepends=True), path)
             self.globals.update(__file__=path, __spec__=None, __loader__=None, __package__=None)
             self.path_entry = os.path.dirname(path)
         self.argv = [path if as_module else target, *args]  # as python sets sys.argv[0]
