@@ -310,8 +310,9 @@ def test_run_shows_a_time_column(script: Path, capsys: Any) -> None:
 def test_demo_shows_a_time_column(capsys: Any) -> None:
     assert memlab("demo", "--epochs", 1, "-D", "-c", "time") == 0
     train_step = capsys.readouterr().out.split("## train_step\n\n")[1].splitlines()
-    assert train_step[0].split() == ["time", "line", "code"]
-    rows = [line.split(None, 2) for line in train_step[4:]]
+    assert train_step[0].split() == ["time", "line", "code"]  # one header line: "time" has one part
+    assert train_step[1].split(None, 1) == ["37", "@memlab.profile"]  # no blank header lines
+    rows = [line.split(None, 2) for line in train_step[2:]]
     assert [row[1] for row in rows] == [row[2] for row in TRAIN_STEP_ROWS]
     assert all(TIME.fullmatch(row[0]) for row in rows)
 
@@ -598,3 +599,14 @@ def test_a_script_read_from_a_pipe_runs_and_shows_its_lines(capsys: Any) -> None
         "       0.00B          0.00B    3  def f():",
         "       1.00K          2.00M    4      return torch.empty(256)",
     ]
+
+
+def test_run_with_one_part_columns_prints_one_header_line(script: Path, capsys: Any) -> None:
+    assert memlab("run", "-D", "-c", "hits", "-c", "delta", "-f", "work", script) == 0
+    assert capsys.readouterr().out.split("## work\n\n")[1].split("\n\n")[0] == (
+        "hits delta line  code\n"  # each column name is one part: one header line, no blank ones
+        "   1 0.00B    9  def work(n):\n"
+        "   1 4.00M   10      a = torch.empty(n, 1024)\n"  # a 4 MiB tensor each, as WORK_ROWS
+        "   1 4.00M   11      b = torch.empty(n, 1024)\n"
+        "   1 4.00M   12      return a + b\n"
+    )

@@ -52,19 +52,30 @@ def _header(column: str) -> tuple[str, str, str]:
     return parts[0], ".".join(parts[1:-1]), parts[-1]
 
 
+def _header_rows(columns: Sequence[str]) -> list[tuple[str, ...]]:
+    """The header of a table of ``columns``, one tuple of cells per header line: the stat, pool and
+    metric lines (``active_bytes`` / ``all`` / ``peak``), less the lines no column has a word on, so
+    that one-word columns (``hits``, ``delta``, ``time``) take one line. The first line is kept
+    (the ``line`` and ``code`` headers go on it)."""
+    levels = list(zip(*(_header(c) for c in columns), strict=True)) if columns else [(), (), ()]
+    return [cells for level, cells in enumerate(levels) if level == 0 or any(cells)]
+
+
 def render_text(table: FunctionTable, columns: Sequence[str]) -> str:
     """One function as text: ``## name``, three header rows, then one row per source line."""
     if not table.calls:
         return f"## {table.name}\n\n{_NEVER_RAN}\n"
     cells = [[_format(c, None if v is None else v[c]) for c in columns] for _, _, v in table.lines]
-    headers = [_header(c) for c in columns]
+    headers = _header_rows(columns)
     widths = [
-        max(len(part) for part in [*headers[i], *(row[i] for row in cells)]) for i in range(len(columns))
+        max(len(part) for part in [*(h[i] for h in headers), *(row[i] for row in cells)])
+        for i in range(len(columns))
     ]
     line_width = max(4, *(len(str(n)) for n, _, _ in table.lines))
     out = []
-    for level, last in ((0, "code"), (1, ""), (2, "")):
-        head = [h[level].rjust(w) for h, w in zip(headers, widths, strict=True)]
+    for level, head_cells in enumerate(headers):
+        head = [h.rjust(w) for h, w in zip(head_cells, widths, strict=True)]
+        last = "code" if level == 0 else ""
         out.append(" ".join([*head, ("line" if level == 0 else "").rjust(line_width)]) + "  " + last)
     for (number, code, _), row in zip(table.lines, cells, strict=True):
         numbers = [cell.rjust(w) for cell, w in zip(row, widths, strict=True)]
@@ -87,10 +98,9 @@ def render_html(tables: Sequence[FunctionTable], columns: Sequence[str]) -> str:
         if not table.calls:
             parts.append(f"{title}<p>{_NEVER_RAN}</p>")
             continue
-        headers = [_header(c) for c in columns]
         head = []
-        for level in range(3):
-            cells = "".join(f"<th>{html.escape(h[level])}</th>" for h in headers)
+        for level, head_cells in enumerate(_header_rows(columns)):
+            cells = "".join(f"<th>{html.escape(h)}</th>" for h in head_cells)
             extra = "<th>line</th><th>code</th>" if level == 0 else "<th></th><th></th>"
             head.append(f"<tr>{cells}{extra}</tr>")
         body = []

@@ -93,9 +93,7 @@ def test_display_of_hits_alone_shows_hits_alone(exact):
     assert repr(lp.display()).splitlines()[2:] == [
         "## branch",
         "",
-        "hits delta line  code",
-        "",
-        "",
+        "hits delta line  code",  # one-part columns: one header line, no blank ones
         f"   1 0.00B {line(branch, 0):>4}  def branch(flag):",
         f"   1 0.00B {line(branch, 1):>4}      if flag:",
         f"   1 2.00K {line(branch, 2):>4}          block = torch.empty(2048, dtype=U8)",
@@ -116,13 +114,12 @@ def test_text_shows_hits_delta_and_keys_with_fewer_parts(profiled):
     with lp:
         branch(False)
     text = repr(lp.display(branch, ("hits", "delta", "num_alloc_retries", "oversize_allocations.peak")))
-    assert text.splitlines()[4:8] == [
+    assert text.splitlines()[4:7] == [
         "hits delta num_alloc_retries oversize_allocations line  code",
-        "",
-        " " * 45 + "peak",
+        " " * 45 + "peak",  # no column has a pool part: no blank line for it
         f"   1 0.00B                 0                    0 {line(branch, 0):>4}  def branch(flag):",
     ]
-    assert text.splitlines()[11] == (
+    assert text.splitlines()[10] == (
         f"   1 1.00K                 0                    0 {line(branch, 4):>4}"
         "          block = torch.empty(1024, dtype=U8)"
     )
@@ -141,6 +138,24 @@ def test_html_draws_a_bar_per_column_scaled_to_its_largest_value(profiled):
     assert html.count("linear-gradient(90deg, #ee854a 100.0%, transparent 100.0%)") == 2
     assert "block = torch.empty(2048, dtype=U8)" in html
     assert "<th>allocated_bytes</th><th>reserved_bytes</th><th>line</th><th>code</th>" in html
+
+
+def test_html_heads_a_table_with_as_many_rows_as_its_column_names_have_parts(profiled):
+    def thead(columns):
+        html = profiled.display(branch, columns)._repr_html_()
+        return html.split('<thead style="text-align: left">')[1].split("</thead>")[0]
+
+    assert thead(("hits", "delta")) == "<tr><th>hits</th><th>delta</th><th>line</th><th>code</th></tr>"
+    assert thead(("hits", "allocated_bytes.all.peak")) == (
+        "<tr><th>hits</th><th>allocated_bytes</th><th>line</th><th>code</th></tr>"
+        "<tr><th></th><th>all</th><th></th><th></th></tr>"
+        "<tr><th></th><th>peak</th><th></th><th></th></tr>"
+    )
+    assert thead(("hits", "reserved_bytes.all.peak", "delta")) == (
+        "<tr><th>hits</th><th>reserved_bytes</th><th>delta</th><th>line</th><th>code</th></tr>"
+        "<tr><th></th><th>all</th><th></th><th></th><th></th></tr>"
+        "<tr><th></th><th>peak</th><th></th><th></th><th></th></tr>"
+    )
 
 
 def test_html_escapes_source_and_reports_functions_that_never_ran(profiled):
