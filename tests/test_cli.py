@@ -608,5 +608,5 @@ def test_run_with_one_part_columns_prints_one_header_line(script: Path, capsys: 
         "   1 0.00B    9  def work(n):\n"
         "   1 4.00M   10      a = torch.empty(n, 1024)\n"  # a 4 MiB tensor each, as WORK_ROWS
         "   1 4.00M   11      b = torch.empty(n, 1024)\n"
-        "   1 4.00M   12      return a + b\n"
+        "   1 4.00M   12      return a + b"
     )
