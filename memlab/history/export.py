@@ -27,7 +27,8 @@ def dump_snapshot(path: str | os.PathLike[str], tracker: Any = None) -> None:
     or ``ExactAllocator`` is accepted too. Pickle protocol 4, the highest the web viewer reads.
     Raises ``ValueError`` when ``tracker`` is ``None`` and no tracker is active or ``path`` cannot
     be written (a folder, a missing folder), ``TypeError`` for a ``path`` or ``tracker`` of
-    another type; both before anything is written.
+    another type; both before anything is written. The file is written whole or not at all: an
+    ``OSError`` while writing (a full disk) leaves the previous file at ``path`` as it was.
     """
     from memlab.sources.allocator.blocks import AllocatorBase
     from memlab.sources.tracker import TensorTracker
