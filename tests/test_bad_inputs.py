@@ -803,3 +803,28 @@ def test_viz_will_not_write_its_page_over_the_snapshot(viz_folder: Path, capsys:
     )
     assert snapshot.read_bytes() == content
     assert os.listdir(viz_folder) == ["snapshot.html"]
+
+
+def test_a_file_in_a_folder_this_process_may_not_create_files_in_is_refused_before_anything_runs(
+    made: Made, tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    # memlab writes beside the file and renames, so it needs the folder even where the file is
+    # writable. Tests run as root here, for whom every folder is writable: os.access answers as for
+    # a user who may write the file but not the folder.
+    (tmp_path / "old.json").write_bytes(b"previous\n")
+    (tmp_path / "script.py").write_text(SCRIPT, encoding="utf-8")
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path))
+    monkeypatch.setattr(decorators, "_global", None)
+    with pytest.raises(Exception) as raised:
+        made.lp.to_json(tmp_path / "old.json")
+    expected = f"path_or_buf {tmp_path}/old.json: this process may not create files in '{tmp_path}'"
+    check_raised(raised.value, ValueError, expected, tmp_path)
+    assert str(raised.value) == expected
+    assert main(["run", "-o", str(tmp_path / "old.json"), str(tmp_path / "script.py")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # the script did not run
+    assert (
+        captured.err
+        == f"memlab run: error: -o {tmp_path}/old.json: this process may not create files in '{tmp_path}'\n"
+    )
+    assert (tmp_path / "old.json").read_bytes() == b"previous\n"
