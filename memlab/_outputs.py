@@ -138,16 +138,19 @@ def replacing_path(path: str | os.PathLike[str]) -> Iterator[str]:
     replaces, or ``0o666`` less the umask for a new one, as ``open(path, "w")`` would give. A
     symbolic link at ``path`` is written through (the file it points to is replaced); a path that
     is not a regular file (``/dev/null``, a named pipe) is yielded as it is and written in place.
-    What it cannot keep: the owner and hard links of a replaced file (the new file is this
-    process's), and the file after a power cut before the rename reached the disk.
+    A power cut leaves the old file or the new one, each whole. What it cannot keep: the owner
+    and the hard links of a replaced file (the new file is this process's); and a Ctrl-C inside
+    ``mkstemp`` itself, between creating the temporary file and returning its name, would leave
+    that empty file behind (a few instructions).
     """
     target = _target(os.fspath(path))
     if target is None:
         yield os.fspath(path)
         return
     folder, name = os.path.split(target)
-    descriptor, temporary = tempfile.mkstemp(dir=folder or os.curdir, prefix=f".{name}.", suffix=".tmp")
+    temporary = None
     try:
+        descriptor, temporary = tempfile.mkstemp(dir=folder or os.curdir, prefix=f".{name}.", suffix=".tmp")
         os.close(descriptor)
         yield temporary
         descriptor = os.open(temporary, os.O_RDONLY)
@@ -162,8 +165,9 @@ def replacing_path(path: str | os.PathLike[str]) -> Iterator[str]:
         os.chmod(temporary, mode)
         os.replace(temporary, target)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
         raise
     _sync_folder(folder or os.curdir)
 
