@@ -36,7 +36,7 @@ from memlab._arguments import (
 )
 from memlab._devices import cuda_device_exists, parse_device, require_usable
 from memlab._function_lookup import MISSING, FunctionName, FunctionWatch, lookup
-from memlab._outputs import check_output_path
+from memlab._outputs import check_output_path, write_text
 from memlab.history.recording import collect_unwritten, snapshot_recorded
 from memlab.line_profiler import LineProfiler
 from memlab.reporter import MemReporter
@@ -292,8 +292,7 @@ class MemlabMagics(Magics):
         stats = lp.display(functions, columns) if functions else None
         if args.dump_profile and stats is not None:
             try:
-                with open(args.dump_profile, "w", encoding="utf-8") as file:
-                    file.write(repr(stats))
+                write_text(args.dump_profile, repr(stats))
             except OSError as error:  # checked before the code ran: a full disk, a folder gone
                 unwritten.append(f"-T {args.dump_profile}: {error}")
         for what in unwritten:

@@ -788,3 +788,176 @@ def test_memlab_run_dev_null_runs_as_python_does(tmp_path: Path, capsys: Any, mo
     assert as_empty_script.err == (
         "memlab run: nothing was profiled: decorate functions with @memlab.profile or name them with -f\n"
     )
+
+
+# -- issue 25: io ----------------------------------------------------------------------------------
+# A snapshot pickle that would run a command, plot files with an extension matplotlib cannot save,
+# and memlab viz's default output.
+class RunsACommand:
+    """What a hostile snapshot holds: unpickling it calls ``os.system`` (creates ``marker``)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def hostile_pickles(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """Pickles whose loading would create ``tmp/marker``, and the global each names: one written by
+    pickle from a ``__reduce__`` (``os.system`` is ``posix.system`` on Linux, where it lives), one
+    written by hand with protocol 0's ``GLOBAL os system``."""
+    marker = tmp / "marker"
+    reduced = tmp / "reduced.pickle"
+    reduced.write_bytes(pickle.dumps({"segments": [], "device_traces": [[RunsACommand(marker)]]}))
+    by_hand = tmp / "by_hand.pickle"
+    by_hand.write_bytes(f"cos\nsystem\n(Vtouch {marker}\ntR.".encode())
+    assert pickle.loads(by_hand.read_bytes()) == 0 and marker.exists()  # it does run, when unpickled
+    marker.unlink()
+    return {"reduced": (reduced, f"{os.system.__module__}.system"), "by hand": (by_hand, "os.system")}
+
+
+def refused(name: str, path: Path, qualified: str) -> str:
+    return (
+        f"{name} '{path}' is refused: the pickle names the Python object {qualified}, which memlab does "
+        "not load (nothing in the file was run; a memory snapshot holds only dicts, lists, strings and "
+        "numbers)"
+    )
+
+
+@pytest.mark.parametrize("kind", ["reduced", "by hand"])
+def test_plot_memory_refuses_a_pickle_that_would_run_a_command(kind: str, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path, qualified = hostile_pickles(tmp_path)[kind]
+    with pytest.raises(Exception) as raised:
+        memlab.plot_memory(path)
+    check_raised(raised.value, ValueError, refused("source", path, qualified), tmp_path)
+    assert str(raised.value) == refused("source", path, qualified)
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("kind", ["reduced", "by hand"])
+def test_viz_refuses_a_pickle_that_would_run_a_command(kind: str, tmp_path: Path, capsys: Any) -> None:
+    path, qualified = hostile_pickles(tmp_path)[kind]
+    assert main(["viz", str(path), "-o", str(tmp_path / "page.html")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"memlab viz: error: {refused('snapshot', path, qualified)}\n"
+    assert not (tmp_path / "marker").exists()
+    assert sorted(os.listdir(tmp_path)) == ["by_hand.pickle", "reduced.pickle"]  # and no page
+
+
+def test_a_pickle_of_any_other_object_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "tensor.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[torch.zeros(2)]]}))
+    with pytest.raises(Exception) as raised:
+        memlab.plot_memory(path)
+    message = refused("source", path, "torch._utils._rebuild_tensor_v2")
+    check_raised(raised.value, ValueError, message, tmp_path)
+    assert str(raised.value) == message
+
+
+def figure_extensions() -> str:
+    """What matplotlib itself says it can save, as the message lists it."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return ", ".join(sorted(f".{e}" for e in FigureCanvasBase.get_supported_filetypes()))
+
+
+@pytest.mark.parametrize("name", ["p.xyz", "p", "p.png.bak"])
+def test_a_plot_path_matplotlib_cannot_save_is_refused_before_anything_is_drawn(
+    name: str, made: Made, tmp_path: Path, monkeypatch: Any
+) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    import memlab.history.plot
+
+    drawn: list[Any] = []
+    monkeypatch.setattr(memlab.history.plot, "memory_series", lambda *a: drawn.append(a))
+    monkeypatch.setattr(Figure, "__init__", lambda *a, **k: drawn.append("a figure"))
+    expected = f"path {tmp_path}/{name}: write to a file ending in {figure_extensions()}"
+    path = tmp_path / name
+    for plot in (lambda: memlab.plot_memory(made.tracker, path), lambda: made.lp.plot(path=path)):
+        with pytest.raises(Exception) as raised:
+            plot()
+        check_raised(raised.value, ValueError, expected, tmp_path)
+        assert str(raised.value) == expected
+    assert drawn == []
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def viz_folder(tmp_path: Path) -> Path:
+    """A folder with a snapshot pickle, ``snapshot.pickle``."""
+    with memlab.TensorTracker(history=True) as tracker:
+        torch.empty(100)
+    memlab.dump_snapshot(tmp_path / "snapshot.pickle", tracker)
+    return tmp_path
+
+
+def viz_error(argv: list[str], capsys: Any) -> str:
+    assert main(["viz", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+def test_viz_names_its_default_output_when_it_is_a_folder(viz_folder: Path, capsys: Any) -> None:
+    (viz_folder / "snapshot.html").mkdir()
+    assert viz_error([str(viz_folder / "snapshot.pickle")], capsys) == (
+        f"memlab viz: error: default output {viz_folder}/snapshot.html: is a folder; name a file to write in "
+        "it (the snapshot's name with .html; choose another with -o FILE)\n"
+    )
+
+
+def test_viz_names_its_default_output_when_the_folder_is_read_only(
+    viz_folder: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    # Tests run as root here, for whom every folder is writable: os.access answers as for a user.
+    monkeypatch.setattr(os, "access", lambda path, mode: not (mode & os.W_OK))
+    assert viz_error([str(viz_folder / "snapshot.pickle")], capsys) == (
+        f"memlab viz: error: default output {viz_folder}/snapshot.html: this process may not create files "
+        f"in '{viz_folder}' (the snapshot's name with .html; choose another with -o FILE)\n"
+    )
+
+
+def test_viz_will_not_write_its_page_over_the_snapshot(viz_folder: Path, capsys: Any) -> None:
+    snapshot = viz_folder / "snapshot.html"  # a snapshot named .html: the default output is itself
+    os.rename(viz_folder / "snapshot.pickle", snapshot)
+    content = snapshot.read_bytes()
+    assert viz_error([str(snapshot)], capsys) == (
+        f"memlab viz: error: default output {snapshot} is the snapshot itself: name another file with "
+        "-o FILE\n"
+    )
+    assert viz_error([str(snapshot), "-o", os.path.join(viz_folder, ".", "snapshot.html")], capsys) == (
+        f"memlab viz: error: -o {viz_folder}/./snapshot.html is the snapshot itself: name another file with "
+        "-o FILE\n"
+    )
+    assert snapshot.read_bytes() == content
+    assert os.listdir(viz_folder) == ["snapshot.html"]
+
+
+def test_a_file_in_a_folder_this_process_may_not_create_files_in_is_refused_before_anything_runs(
+    made: Made, tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    # memlab writes beside the file and renames, so it needs the folder even where the file is
+    # writable. Tests run as root here, for whom every folder is writable: os.access answers as for
+    # a user who may write the file but not the folder.
+    (tmp_path / "old.json").write_bytes(b"previous\n")
+    (tmp_path / "script.py").write_text(SCRIPT, encoding="utf-8")
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path))
+    monkeypatch.setattr(decorators, "_global", None)
+    with pytest.raises(Exception) as raised:
+        made.lp.to_json(tmp_path / "old.json")
+    expected = f"path_or_buf {tmp_path}/old.json: this process may not create files in '{tmp_path}'"
+    check_raised(raised.value, ValueError, expected, tmp_path)
+    assert str(raised.value) == expected
+    assert main(["run", "-o", str(tmp_path / "old.json"), str(tmp_path / "script.py")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # the script did not run
+    assert (
+        captured.err
+        == f"memlab run: error: -o {tmp_path}/old.json: this process may not create files in '{tmp_path}'\n"
+    )
+    assert (tmp_path / "old.json").read_bytes() == b"previous\n"

@@ -21,6 +21,7 @@ from IPython.utils.capture import capture_output
 
 import memlab
 from memlab.extension import split_statement
+from tests.full_disk import FullDisk
 
 WORK_CELL = """\
 import torch
@@ -413,3 +414,18 @@ def torch_module_hooks() -> dict[int, Any]:
     import torch
 
     return dict(torch.nn.modules.module._global_forward_pre_hooks)
+
+
+def test_mlrun_dump_profile_on_a_full_disk_leaves_the_previous_file(
+    ip: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    dumped = tmp_path / "table.txt"
+    dumped.write_text("the previous table\n", encoding="utf-8")
+    FullDisk(tmp_path, room=50).install(monkeypatch)
+    result, captured = run(ip, f"%%mlrun -T {dumped} -f work\n" + WORK_CELL)
+    monkeypatch.undo()
+    assert result.error_in_exec is None
+    assert rows(result.result) == WORK_ROWS
+    assert captured.stderr == f"memlab: could not write -T {dumped}: [Errno 28] No space left on device\n"
+    assert os.listdir(tmp_path) == ["table.txt"]
+    assert dumped.read_text(encoding="utf-8") == "the previous table\n"

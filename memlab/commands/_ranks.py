@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from memlab._outputs import replacing_path, write_text
 from memlab.commands._command import CommandError
 
 __all__ = ["GATHER_TIMEOUT", "RankEnvironment", "gather_ranks", "rank_environment", "write_merged"]
@@ -89,13 +90,13 @@ def gather_ranks(profiler: Any, functions: list[Any], status: int) -> Any:
 
 def write_merged(merged: Any, path: str) -> None:
     """Write the merged table to ``path`` by its extension: ``.txt`` the text, ``.json`` its plain
-    data (:meth:`~memlab.distributed.merge.MergedLines.to_data`), ``.csv`` its DataFrame."""
+    data (:meth:`~memlab.distributed.merge.MergedLines.to_data`), ``.csv`` its DataFrame; whole
+    or not at all (:func:`memlab._outputs.replacing_path`)."""
     extension = os.path.splitext(path)[1].lower()
     if extension == ".json":
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(merged.to_data(), file)
+        write_text(path, json.dumps(merged.to_data()))
     elif extension == ".csv":
-        merged.to_dataframe().to_csv(path)
+        with replacing_path(path) as temporary:
+            merged.to_dataframe().to_csv(temporary)
     else:
-        with open(path, "w", encoding="utf-8") as file:
-            file.write(merged.render())
+        write_text(path, merged.render())

@@ -35,6 +35,7 @@ from memlab._arguments import (
 )
 from memlab._devices import cuda_device_exists
 from memlab._function_lookup import FunctionWatch
+from memlab._outputs import write_text
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
@@ -79,8 +80,7 @@ def _print_and_write(
     extension = _output_format(output)
     try:
         if extension == ".txt":
-            with open(output, "w", encoding="utf-8") as file:  # type: ignore[arg-type]
-                file.write(repr(stats))
+            write_text(output, repr(stats))  # type: ignore[arg-type]
         elif extension == ".json":
             profiler.to_json(output, shown, columns)
         elif extension == ".csv":

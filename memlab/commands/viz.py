@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from memlab._outputs import check_output_path
+from memlab._outputs import check_output_path, write_text
 from memlab.commands._command import CommandError
 from memlab.history.export import read_snapshot as _read_snapshot
 
@@ -53,19 +53,40 @@ class VizCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        output = args.output if args.output is not None else os.path.splitext(args.snapshot)[0] + ".html"
+        output, name = _output(args.snapshot, args.output)
         try:
-            check_output_path(output, "-o", (".html", ".htm"))
+            check_output_path(output, name, (".html", ".htm"))
         except ValueError as error:
-            raise CommandError(str(error)) from None
+            raise CommandError(str(error) + ("" if args.output is not None else _CHOOSE)) from None
+        if _same_file(output, args.snapshot):
+            raise CommandError(f"{name} {output} is the snapshot itself: name another file with -o FILE")
         data = read_snapshot(args.snapshot)
         from torch.cuda import _memory_viz
 
         html = _memory_viz.segment_plot(data) if args.segments else _memory_viz.trace_plot(data)
         try:
-            with open(output, "w", encoding="utf-8") as file:
-                file.write(html)
+            write_text(output, html)
         except OSError as error:  # checked before, so the disk filled up or the folder went away
-            print(f"memlab viz: could not write -o {output}: {error}", file=sys.stderr)
+            print(f"memlab viz: could not write {name} {output}: {error}", file=sys.stderr)
             return 1
         return 0
+
+
+#: Added to an error about the default output, which the user did not name.
+_CHOOSE = " (the snapshot's name with .html; choose another with -o FILE)"
+
+
+def _same_file(first: str, second: str) -> bool:
+    """Whether both paths name one existing file (through links and ``..``)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # either is missing
+        return False
+
+
+def _output(snapshot: str, output: str | None) -> tuple[str, str]:
+    """The page to write and how messages name it: ``-o FILE`` as given, else the snapshot's
+    path with ``.html`` for its extension, named ``the default output``."""
+    if output is not None:
+        return output, "-o"
+    return os.path.splitext(snapshot)[0] + ".html", "default output"

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from memlab._outputs import check_output_path
+from memlab._outputs import check_output_path, replacing_path
 from memlab.history.series import memory_series
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "binary_size",
     "check_byte_column",
+    "figure_extensions",
     "peak_label",
     "plot_lines",
     "plot_memory",
@@ -69,15 +70,29 @@ def binary_size(nbytes: int) -> str:
     return f"{nbytes / scale:.2f} {unit}"
 
 
+def figure_extensions() -> tuple[str, ...]:
+    """The file extensions matplotlib can save a figure as (``.png``, ``.svg``, ``.pdf``, ...:
+    ``FigureCanvasBase.get_supported_filetypes()``), sorted; ``ImportError`` without matplotlib."""
+    _matplotlib_figure()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return tuple(sorted(f".{extension}" for extension in FigureCanvasBase.get_supported_filetypes()))
+
+
 def _check_path(path: str | os.PathLike[str] | None) -> None:
-    """``path`` (``None``: nothing is saved) checked before anything is drawn."""
+    """``path`` (``None``: nothing is saved) checked before anything is drawn: a file that can be
+    written, ending in an extension matplotlib saves (:func:`figure_extensions`)."""
     if path is not None:
-        check_output_path(path, "path")
+        check_output_path(path, "path", figure_extensions())
 
 
 def _save(figure: Figure, path: str | os.PathLike[str] | None) -> Figure:
+    """Save ``figure`` to ``path`` (``None``: not saved) whole or not at all
+    (:func:`memlab._outputs.replacing_path`), in the format its extension names."""
     if path is not None:
-        figure.savefig(path, dpi=100, bbox_inches="tight")
+        extension = os.path.splitext(os.fspath(path))[1][1:].lower()
+        with replacing_path(path) as temporary:
+            figure.savefig(temporary, format=extension, dpi=100, bbox_inches="tight")
     return figure
 
 
@@ -100,10 +115,12 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     ``source``: a ``memlab.TensorTracker`` entered with ``history=True`` (its :meth:`snapshot`
     of ``device``), a snapshot dict in ``torch.cuda.memory._snapshot()`` format (from
     ``tracker.snapshot()``, a loaded pickle), or the path of a snapshot pickle (written by
-    ``memlab.dump_snapshot``, ``memlab run --snapshot`` or by PyTorch on a GPU; only pickles you
-    trust: unpickling can run code); for a dict or a path ``device`` is an index into its
+    ``memlab.dump_snapshot``, ``memlab run --snapshot`` or by PyTorch on a GPU; read with
+    :func:`memlab.history.export.read_snapshot`, which runs nothing the pickle names); for a dict
+    or a path ``device`` is an index into its
     ``device_traces``. With ``path``, the figure is also saved there (format from the
-    extension, e.g. ``.png``, ``.svg``, ``.pdf``; checked before anything is drawn). Returns the
+    extension, e.g. ``.png``, ``.svg``, ``.pdf``, one of :func:`figure_extensions`; checked before
+    anything is drawn; written whole or not at all, a failure leaves the previous file). Returns the
     matplotlib ``Figure`` (not registered with pyplot: it needs no display and renders with Agg;
     notebooks show it inline).
 
@@ -112,7 +129,8 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     entry, memory outside PyTorch's allocator), and which tensor a category's bytes belong to
     (PyTorch's viewer, ``memlab viz``, shows each block). Raises ``ImportError`` naming
     ``pip install 'memlab[plot]'`` without matplotlib, ``ValueError`` for a snapshot without
-    trace entries, a file that is not a snapshot pickle or a ``path`` that cannot be written,
+    trace entries, a file that is not a snapshot pickle (or one that names a Python object to
+    load, which is refused unread) or a ``path`` that cannot be written or has another extension,
     ``FileNotFoundError`` for a missing pickle, ``TypeError`` for another kind of ``source``.
     """
     from memlab.sources.tracker import TensorTracker

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from memlab._outputs import check_text_output
+from memlab._outputs import check_text_output, write_text
 from memlab.line_profiler.records import FunctionTable
 
 if TYPE_CHECKING:
@@ -159,8 +159,7 @@ def _write(text: str, path_or_buf: Any) -> str | None:
     if hasattr(path_or_buf, "write"):
         path_or_buf.write(text)
     else:
-        with open(path_or_buf, "w", encoding="utf-8", newline="") as file:
-            file.write(text)
+        write_text(path_or_buf, text, newline="")
     return None
 
 

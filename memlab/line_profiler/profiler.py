@@ -372,13 +372,15 @@ class LineProfiler(ByCountProfilerMixin):
         return _export.to_dataframe(self._tables(func, columns), columns, self.source_line())
 
     def to_json(self, path_or_buf: Any = None, func: Any = None, columns: Any = None) -> str | None:
-        """:meth:`to_dataframe` as JSON (returned as a string when ``path_or_buf`` is None);
-        :func:`memlab.line_profiler.read_json` reads it back into the same DataFrame."""
+        """:meth:`to_dataframe` as JSON (returned as a string when ``path_or_buf`` is None, written
+        to a file object as it is, to a path whole or not at all: a full disk leaves the previous
+        file); :func:`memlab.line_profiler.read_json` reads it back into the same DataFrame."""
         return _export.write_json(self.to_dataframe(func, columns), path_or_buf)
 
     def to_csv(self, path_or_buf: Any = None, func: Any = None, columns: Any = None) -> str | None:
-        """:meth:`to_dataframe` as CSV (returned as a string when ``path_or_buf`` is None);
-        :func:`memlab.line_profiler.read_csv` reads it back into the same DataFrame."""
+        """:meth:`to_dataframe` as CSV (returned as a string when ``path_or_buf`` is None, written
+        to a file object as it is, to a path whole or not at all: a full disk leaves the previous
+        file); :func:`memlab.line_profiler.read_csv` reads it back into the same DataFrame."""
         return _export.write_csv(self.to_dataframe(func, columns), path_or_buf)
 
     def plot(
@@ -391,8 +393,9 @@ class LineProfiler(ByCountProfilerMixin):
         ``delta``) with one bar per source line of ``func`` (default: every registered function)
         that ran, labelled ``function:line: code``; x axis in bytes with KiB / MiB / GiB ticks.
         Lines that never ran have no bar. Saved to ``path`` when given (format from the
-        extension); returns the matplotlib ``Figure``. Needs matplotlib
-        (``pip install 'memlab[plot]'``; ``ImportError`` otherwise)."""
+        extension, one matplotlib saves, checked before anything is drawn; written whole or not at
+        all); returns the matplotlib ``Figure``. Needs matplotlib (``pip install 'memlab[plot]'``;
+        ``ImportError`` otherwise)."""
         from memlab.history.plot import check_byte_column, plot_lines
 
         check_byte_column(column)

@@ -1,6 +1,7 @@
 """The files ``memlab run`` and ``memlab demo`` write (``-o``, ``--snapshot``, ``--plot``): a path
 that cannot be written is a one-line error before the script runs; a write that still fails at the
-end (a full disk: ``/dev/full``) leaves the table printed and names the file on stderr."""
+end (a full disk: ``/dev/full``) leaves the table printed, names the file on stderr and leaves the
+previous file as it was."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from memlab import _arguments
 from memlab.cli import main
 from memlab.line_profiler import decorators
+from tests.full_disk import FullDisk
 
 SCRIPT = """\
 import torch
@@ -165,3 +167,28 @@ def test_a_plot_of_a_run_without_tensors_is_named_after_the_run(tmp_path: Path, 
         "memlab run: nothing was profiled: decorate functions with @memlab.profile or name them with -f",
     ]
     assert not (tmp_path / "run.png").exists()
+
+
+def test_a_disk_that_fills_up_leaves_every_previous_file_as_it_was(
+    script: Path, tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    pytest.importorskip("matplotlib")
+    outputs = {"-o": "out.json", "--snapshot": "run.pickle", "--plot": "run.png"}
+    previous = {name: f"previous {name}\n".encode() for name in outputs.values()}
+    for name, content in previous.items():
+        (tmp_path / name).write_bytes(content)
+    before = sorted(os.listdir(tmp_path))
+    disk = FullDisk(tmp_path, room=10).install(monkeypatch)
+    argv = [part for option, name in outputs.items() for part in (option, str(tmp_path / name))]
+    assert main(["run", *argv, str(script)]) == 1  # the script succeeded; its files are missing
+    monkeypatch.undo()
+    captured = capsys.readouterr()
+    assert captured.out == "the script ran\n" + TABLE
+    assert captured.err.splitlines() == [
+        f"memlab run: could not write {option} {tmp_path}/{name}: [Errno 28] No space left on device"
+        for option, name in [("--snapshot", "run.pickle"), ("--plot", "run.png"), ("-o", "out.json")]
+    ]
+    # each failed half-way in a temporary file beside it: .run.pickle.<random>.tmp
+    assert sorted({failed[1:].rsplit(".", 2)[0] for failed, _held in disk.failures}) == sorted(previous)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert {name: (tmp_path / name).read_bytes() for name in previous} == previous

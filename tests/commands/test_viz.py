@@ -15,6 +15,7 @@ import torch
 
 import memlab
 from memlab.cli import main
+from tests.full_disk import FullDisk
 
 
 @pytest.fixture
@@ -106,3 +107,22 @@ def test_viz_says_in_one_line_when_the_page_cannot_be_written(
     assert capsys.readouterr().err == (
         f"memlab viz: could not write -o {tmp_path}/full.html: [Errno 28] No space left on device\n"
     )
+
+
+@pytest.mark.parametrize("option", [["-o", "page.html"], []], ids=["-o", "default output"])
+def test_viz_on_a_full_disk_leaves_the_previous_page(
+    snapshot: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any, monkeypatch: Any, option: list[str]
+) -> None:
+    path, _ = snapshot
+    page = tmp_path / (option[1] if option else "snapshot.html")
+    page.write_text("<p>the previous page</p>\n", encoding="utf-8")
+    disk = FullDisk(tmp_path, room=1000).install(monkeypatch)
+    assert main(["viz", str(path), *(["-o", str(page)] if option else [])]) == 1
+    monkeypatch.undo()
+    name = "-o" if option else "default output"
+    assert capsys.readouterr().err == (
+        f"memlab viz: could not write {name} {page}: [Errno 28] No space left on device\n"
+    )
+    assert disk.failures[0][1] == 1000  # the page was half written when the disk filled up
+    assert sorted(os.listdir(tmp_path)) == sorted(["snapshot.pickle", page.name])
+    assert page.read_text(encoding="utf-8") == "<p>the previous page</p>\n"

@@ -14,6 +14,7 @@ from torch.cuda import _memory_viz
 
 import memlab
 from memlab import TensorTracker
+from memlab.history.export import read_snapshot
 from memlab.sources.allocator import CachingAllocatorModel
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "gpu-traces" / "traces.json"
@@ -161,3 +162,29 @@ def test_dump_snapshot_writes_a_protocol_4_pickle_of_the_active_tracker(tmp_path
 def test_dump_snapshot_without_an_active_tracker_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="no TensorTracker is active"):
         memlab.dump_snapshot(tmp_path / "x.pickle")
+
+
+def test_read_snapshot_reads_what_dump_snapshot_writes(tmp_path, eor_nn_snapshot):
+    with TensorTracker(history=True) as tracker:
+        layer = torch.nn.Linear(100, 100)
+        layer(torch.randn(4, 100)).sum().backward()
+    memlab.dump_snapshot(tmp_path / "tracker.pickle", tracker)
+    memlab.dump_snapshot(tmp_path / "model.pickle", eor_nn_snapshot[1])
+    for name in ("tracker.pickle", "model.pickle"):
+        assert read_snapshot(tmp_path / name) == pickle.loads((tmp_path / name).read_bytes())
+    assert read_snapshot(tmp_path / "tracker.pickle") == tracker.snapshot()
+
+
+def test_read_snapshot_reads_what_pytorchs_own_dump_snapshot_writes(tmp_path, monkeypatch):
+    # PyTorch's writer (pickle's default protocol) of the values a GPU snapshot holds: dicts, lists,
+    # str, int (addresses above 2**63 too), bool, None, float and the segment_pool_id tuples.
+    with TensorTracker(history=True) as tracker:
+        torch.empty(1000)
+    snapshot = tracker.snapshot()
+    snapshot["segments"][0]["segment_pool_id"] = (0, 0)
+    snapshot["segments"][0]["address"] = 2**64 - 4096
+    snapshot["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": None, "expandable_segments": False}
+    snapshot["external_annotations"] = [{"device": 0, "stage": "START", "name": "step", "time_us": 1.5}]
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: snapshot)
+    torch.cuda.memory._dump_snapshot(str(tmp_path / "torch.pickle"))
+    assert read_snapshot(tmp_path / "torch.pickle") == snapshot
