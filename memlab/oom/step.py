@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
+from memlab.oom.accumulation import MIDDLE_ESTIMATED, Accumulation, MicroBatches
 from memlab.oom.capture import Call, OOMCapture
 from memlab.oom.report import Remedy
 from memlab.oom.state import AllocatorState
@@ -40,10 +40,6 @@ __all__ = [
 #: Optimizer steps each step remedy is estimated for: the first from the state at the failure, the
 #: second from what the first leaves (optimizer state, cached blocks), as training goes on.
 REMEDY_STEPS = 2
-#: Micro-batches estimated per optimizer step at most: the first (gradients as the step found them),
-#: one in the middle (gradients accumulated, no optimizer step) that stands for every middle one,
-#: and the last (the optimizer step).
-MICRO_BATCHES_ESTIMATED = 3
 Start = AllocatorState | str  # the state a remedy starts from, or why the state at the failure is unknown
 CallContext = Callable[[Any, int], contextlib.AbstractContextManager[Any]]  # (copier, call index)
 
@@ -64,116 +60,35 @@ def find_batch(call: Call) -> tuple[int, int] | None:
     return sizes.most_common(1)[0][0], dim
 
 
-def _batch_maker(
-    call: Call, size: int, dim: int
-) -> tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]]]:
-    """``(step, make_batch)`` for an estimate: ``make_batch(b)`` gives the call's positional
-    arguments with each batch tensor cut to its first ``b`` rows (a view of the live batch, as
-    ``x.split(b)`` gives: the estimate copies the whole batch into its block and allocates nothing
-    for the view); keyword arguments follow them, passed back by name."""
-    names = list(call.kwargs)
-    values = (*call.args, *call.kwargs.values())
-    batched = [isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == size for v in values]
-    func = call.func
-
-    def make_batch(b: int) -> tuple[Any, ...]:
-        return tuple(_cut(v, dim, b) if is_batch else v for v, is_batch in zip(values, batched, strict=True))
-
-    if not names:
-        return func, make_batch
-    count = len(call.args)
-
-    def step(*args: Any) -> Any:
-        return func(*args[:count], **dict(zip(names, args[count:], strict=True)))
-
-    return step, make_batch
-
-
-def _cut(tensor: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    with unset_fake_temporarily():  # a real view of the user's tensor, made under the estimate's fake mode
-        return tensor.narrow(dim, 0, rows)
-
-
-class Accumulation:
-    """The calls of an estimated step as the micro-batches of gradient accumulation, ``per_step``
-    calls to an optimizer step (a ``call_context`` of :func:`memlab.estimate.estimate.run_estimate`).
-
-    In each call the copied optimizers' ``step()`` runs only if it is the last micro-batch of its
-    optimizer step, and ``zero_grad()`` (of the copied optimizers and modules) only while no
-    skipped ``step()`` is pending: gradients then accumulate across the micro-batches whether the
-    step zeroes them first or last, as in the loop a user writes (backward per micro-batch, one
-    ``optimizer.step()`` and ``zero_grad()`` per batch). Only the copies are changed, for the call.
-    """
-
-    def __init__(self, per_step: int) -> None:
-        self.per_step = per_step
-        self._skipped = False  # a step() skipped since the last one that ran
-
-    @contextlib.contextmanager
-    def __call__(self, copier: Any, index: int) -> Iterator[None]:
-        if index == 0:
-            self._skipped = False
-        last = index % self.per_step == self.per_step - 1
-        patches = [(optimizer, "step", self._step(optimizer.step, last)) for optimizer in copier.optimizers]
-        patches += [(owner, "zero_grad", self._zero_grad(owner.zero_grad)) for owner in copier.optimizers]
-        patches += [(module, "zero_grad", self._zero_grad(module.zero_grad)) for module in copier.modules]
-        saved = [(owner, name, vars(owner).get(name, self)) for owner, name, _ in patches]
-        for owner, name, method in patches:
-            setattr(owner, name, method)
-        try:
-            yield
-        finally:
-            for owner, name, before in saved:
-                if before is self:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, before)
-
-    def _step(self, step: Callable[..., Any], last: bool) -> Callable[..., Any]:
-        def accumulating_step(*args: Any, **kwargs: Any) -> Any:
-            if not last:
-                self._skipped = True
-                return None
-            self._skipped = False
-            return step(*args, **kwargs)
-
-        return accumulating_step
-
-    def _zero_grad(self, zero_grad: Callable[..., Any]) -> Callable[..., Any]:
-        def accumulating_zero_grad(*args: Any, **kwargs: Any) -> Any:
-            return None if self._skipped else zero_grad(*args, **kwargs)
-
-        return accumulating_zero_grad
-
-
 def _peak(
     capture: OOMCapture,
     start: Start,
     fn: Callable[..., Any],
     make_arguments: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
     capacity: int | None,
-    micro_batches: int = 1,
     call_context: CallContext | None = None,
+    micro_batches: MicroBatches | None = None,
 ) -> int:
-    """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps of
-    ``micro_batches`` calls each (:class:`Accumulation`), from ``start`` (the state at the failure;
-    an empty allocator where it is unknown) under ``capacity`` bytes (``None``: no limit), counting
-    the cuBLAS workspaces of the GPU the failing run modelled (``capture.gpu``; for a GPU's own
-    error, the GPU in use); ``torch.OutOfMemoryError`` where they do not fit. ``call_context``:
-    as :func:`~memlab.estimate.estimate.run_estimate`'s (with one micro-batch only)."""
+    """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps (each of
+    the calls ``micro_batches`` plans, or one), from ``start`` (the state at the failure; an empty
+    allocator where it is unknown) under ``capacity`` bytes (``None``: no limit), counting the
+    cuBLAS workspaces of the GPU the failing run modelled (``capture.gpu``; for a GPU's own error,
+    the GPU in use); ``torch.OutOfMemoryError`` where they do not fit. ``call_context``: as
+    :func:`~memlab.estimate.estimate.run_estimate`'s (without micro-batches)."""
     from memlab.estimate.estimate import run_estimate
 
-    calls = min(micro_batches, MICRO_BATCHES_ESTIMATED)
-    assert call_context is None or calls == 1
-    if calls > 1:
-        call_context = Accumulation(calls)
+    starter = start.starter(capacity) if isinstance(start, AllocatorState) else None
+    calls = 1
+    if micro_batches is not None:
+        assert call_context is None
+        call_context, starter, calls = micro_batches, micro_batches.starter(starter), micro_batches.per_step
     return run_estimate(
         fn,
         make_arguments,
         _device(capture),
         steps=REMEDY_STEPS * calls,
         capacity=capacity,
-        start=start.starter(capacity) if isinstance(start, AllocatorState) else None,
+        start=starter,
         call_context=call_context,
         gpu=capture.gpu,
     ).peak_reserved
@@ -189,13 +104,15 @@ def _needed(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> int
 
 
 def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
-    """The largest micro-batch whose steps with gradient accumulation (:class:`Accumulation`, as
-    many micro-batches as keep the batch) fit in the capacity from ``start``, found by doubling
-    then bisection up to the batch the call had (:func:`memlab.estimate.fit.search`); ``None``
-    without a batch, or when the whole batch fits (the memory the step lacked is held outside its
-    arguments: see the held-across-calls remedy). Each micro-batch is a view of its rows of the
-    batch, which stays live."""
-    from memlab.estimate.fit import call_arguments, search
+    """The largest micro-batch whose steps with gradient accumulation (:class:`MicroBatches`: as
+    many micro-batches as keep the batch, the last one holding the rows left) fit in the capacity
+    from ``start``, found by doubling then bisection up to the batch the call had
+    (:func:`memlab.estimate.fit.search`); ``None`` without a batch, or when the whole batch fits
+    (the memory the step lacked is held outside its arguments: see the held-across-calls remedy).
+    Each micro-batch is a view of its rows of the batch, which stays live. Where the middle
+    micro-batches could not be shown to repeat (:attr:`MicroBatches.unproven`), the remedy is a
+    margin (``unsure``)."""
+    from memlab.estimate.fit import search
 
     call = capture.call
     found = None if call is None or capture.capacity <= 0 else find_batch(call)
@@ -204,14 +121,15 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     size, dim = found
     if size < 2:
         return None
-    step, make_batch = _batch_maker(call, size, dim)  # type: ignore[arg-type]
-    peaks: dict[int, int] = {}
+    assert call is not None
+    values = (*call.args, *call.kwargs.values())
+    batched = [isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == size for v in values]
+    peaks: dict[int, tuple[int, bool]] = {}
 
-    def peak(micro: int, capacity: int | None) -> int:
-        def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
-            return call_arguments(make_batch(micro))
-
-        return _peak(capture, start, step, arguments, capacity, micro_batches=math.ceil(size / micro))
+    def peak(micro: int, capacity: int | None) -> tuple[int, bool]:
+        plan = MicroBatches(size, micro, dim)
+        step = plan.step(call.func, batched, len(call.args), list(call.kwargs))
+        return _peak(capture, start, step, lambda: (values, {}), capacity, micro_batches=plan), plan.unproven
 
     def fits(micro: int) -> bool:
         try:
@@ -223,15 +141,21 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     micro = search(fits, 1, size)[0]
     if micro >= size:
         return None
-    needs = peaks[micro] if micro else peak(1, None)
+    needs, unproven = peaks[micro] if micro else peak(1, None)
     steps = math.ceil(size / max(micro, 1))
+    why = unsure(start)
+    if why is None and unproven:
+        why = (
+            f"the allocator did not repeat itself within {MIDDLE_ESTIMATED} middle micro-batches, "
+            "so the other ones were not estimated"
+        )
     return Remedy(
         "micro_batch",
         f"micro-batches of {max(micro, 1)} (of {size}), {steps} accumulation steps",
         needs,
         capture.capacity,
         {"micro_batch": max(micro, 1), "batch": size, "accumulation_steps": steps, "largest_fitting": micro},
-        unsure=unsure(start),
+        unsure=why,
     )
 
 
