@@ -79,7 +79,8 @@ class Accumulation:
 
 class MicroBatches(Accumulation):
     """A batch of ``size`` rows (dimension ``dim``) in micro-batches of ``micro`` rows, one
-    optimizer step per batch: the calls an estimate runs per optimizer step are the first
+    optimizer step per batch, each micro-batch's loss divided by their number before its
+    ``backward()``: the calls an estimate runs per optimizer step are the first
     micro-batch, up to :data:`MIDDLE_ESTIMATED` middle ones (skipped once the allocator repeats
     itself, see the module's docstring) and the last, of the rows left. :meth:`step` is the
     watched step called on the rows of the current micro-batch; :meth:`starter` wraps the
@@ -108,7 +109,7 @@ class MicroBatches(Accumulation):
         self._position = index % self.per_step
         if self._position == 0:
             self._layouts, self._repeating = [], False
-        with super().__call__(copier, index):
+        with super().__call__(copier, index), self._scaled_loss():
             yield
         if 0 < self._position < self.per_step - 1 and not self._repeating:
             layout = self._layout()
@@ -117,6 +118,24 @@ class MicroBatches(Accumulation):
         left_out = self.count - 2 > len(self._layouts) and not self._repeating
         if self._position == self.per_step - 2 and left_out:
             self.unproven = True
+
+    @contextlib.contextmanager
+    def _scaled_loss(self) -> Iterator[None]:
+        """While active, ``loss.backward()`` of a scalar loss runs ``(loss / count).backward()``, as
+        the loop of gradient accumulation a user writes scales each micro-batch's loss."""
+        backward = torch.Tensor.backward
+        count = self.count
+
+        def scaled_backward(self: torch.Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if gradient is None and self.dim() == 0 and count > 1:
+                return backward(self / count, None, *args, **kwargs)
+            return backward(self, gradient, *args, **kwargs)
+
+        torch.Tensor.backward = scaled_backward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.backward = backward  # type: ignore[method-assign]
 
     def skipping(self) -> bool:
         """Whether the current call is a middle micro-batch that repeats the one before."""

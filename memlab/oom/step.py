@@ -22,13 +22,16 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from memlab._units import format_size
 from memlab.oom.accumulation import MIDDLE_ESTIMATED, Accumulation, MicroBatches
 from memlab.oom.capture import Call, OOMCapture
 from memlab.oom.report import Remedy
 from memlab.oom.state import AllocatorState
+from memlab.sources.allocator.config import K_SMALL_BUFFER
 
 __all__ = [
     "REMEDY_STEPS",
+    "SPARE",
     "STEP_REMEDIES",
     "Accumulation",
     "find_batch",
@@ -40,6 +43,8 @@ __all__ = [
 #: Optimizer steps each step remedy is estimated for: the first from the state at the failure, the
 #: second from what the first leaves (optimizer state, cached blocks), as training goes on.
 REMEDY_STEPS = 2
+#: The bytes a step remedy must leave free to be marked "fits": one small-pool segment.
+SPARE = K_SMALL_BUFFER
 Start = AllocatorState | str  # the state a remedy starts from, or why the state at the failure is unknown
 CallContext = Callable[[Any, int], contextlib.AbstractContextManager[Any]]  # (copier, call index)
 
@@ -106,9 +111,10 @@ def _needed(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> int
 def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     """The largest micro-batch whose steps with gradient accumulation (:class:`MicroBatches`: as
     many micro-batches as keep the batch, the last one holding the rows left) fit in the capacity
-    from ``start``, found by doubling then bisection up to the batch the call had
-    (:func:`memlab.estimate.fit.search`); ``None`` without a batch, or when the whole batch fits
-    (the memory the step lacked is held outside its arguments: see the held-across-calls remedy).
+    from ``start`` with :data:`SPARE` bytes to spare, found by doubling then bisection up to the
+    batch the call had (:func:`memlab.estimate.fit.search`); ``None`` without a batch, or when the
+    whole batch fits (the memory the step lacked is held outside its arguments: see the
+    held-across-calls remedy).
     Each micro-batch is a view of its rows of the batch, which stays live. Where the middle
     micro-batches could not be shown to repeat (:attr:`MicroBatches.unproven`), the remedy is a
     margin (``unsure``)."""
@@ -131,19 +137,19 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
         step = plan.step(call.func, batched, len(call.args), list(call.kwargs))
         return _peak(capture, start, step, lambda: (values, {}), capacity, micro_batches=plan), plan.unproven
 
-    def fits(micro: int) -> bool:
+    def fits(micro: int) -> bool:  # with one small segment to spare (see unsure())
         try:
             peaks[micro] = peak(micro, capture.capacity)
         except torch.OutOfMemoryError:
             return False
-        return True
+        return peaks[micro][0] <= capture.capacity - SPARE
 
     micro = search(fits, 1, size)[0]
     if micro >= size:
         return None
-    needs, unproven = peaks[micro] if micro else peak(1, None)
+    needs, unproven = peaks[max(micro, 1)] if max(micro, 1) in peaks else peak(1, None)
     steps = math.ceil(size / max(micro, 1))
-    why = unsure(start)
+    why = unsure(start, needs, capture.capacity)
     if why is None and unproven:
         why = (
             f"the allocator did not repeat itself within {MIDDLE_ESTIMATED} middle micro-batches, "
@@ -163,12 +169,20 @@ def _device(capture: OOMCapture) -> torch.device:
     return torch.device(capture.device)
 
 
-def unsure(start: Start) -> str | None:
-    """Why a step remedy estimated from ``start`` promises nothing (``Remedy.unsure``), or ``None``
-    when it starts from the state it will meet."""
-    if isinstance(start, AllocatorState):
-        return None
-    return f"the state at the failure is unknown ({start}), so estimated from an empty allocator"
+def unsure(start: Start, peak: int | None = None, capacity: int | None = None) -> str | None:
+    """Why a step remedy estimated from ``start`` to ``peak`` reserved bytes promises nothing in
+    ``capacity`` (``Remedy.unsure``), or ``None`` when it starts from the state it will meet and
+    leaves room for :data:`SPARE` bytes: a user's loop around the changed step keeps a few small
+    tensors the estimated step did not (the last loss, a value logged; the loss divided by the
+    accumulation steps), and where those need a new small-pool segment, that segment must fit."""
+    if not isinstance(start, AllocatorState):
+        return f"the state at the failure is unknown ({start}), so estimated from an empty allocator"
+    if peak is not None and capacity is not None and capacity - SPARE < peak <= capacity:
+        return (
+            f"within {format_size(SPARE)} of the capacity, where a small tensor the loop keeps "
+            "beyond the step (a logged loss) would need a new segment"
+        )
+    return None
 
 
 def step_peak(
@@ -199,7 +213,7 @@ def _autocast_remedy(capture: OOMCapture, start: Start, dtype: torch.dtype, kind
         f'torch.autocast("{device_type}", torch.{dtype_name}) ({short})',
         peak,
         capture.capacity,
-        unsure=unsure(start),
+        unsure=unsure(start, peak, capture.capacity),
     )
 
 
@@ -318,7 +332,8 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
         details["transformers"] = True
     else:
         peak = step_peak(capture, start, checkpointed(cls))
-    return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=unsure(start))
+    why = unsure(start, peak, capture.capacity)
+    return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=why)
 
 
 #: The step remedies, in the order they are listed: each takes the capture and the state at the
