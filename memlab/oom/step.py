@@ -43,7 +43,7 @@ __all__ = [
 #: Optimizer steps each step remedy is estimated for: the first from the state at the failure, the
 #: second from what the first leaves (optimizer state, cached blocks), as training goes on.
 REMEDY_STEPS = 2
-#: The bytes a step remedy must leave free to be marked "fits": one small-pool segment.
+#: The bytes a step remedy must also fit without to be marked "fits": one small-pool segment.
 SPARE = K_SMALL_BUFFER
 Start = AllocatorState | str  # the state a remedy starts from, or why the state at the failure is unknown
 CallContext = Callable[[Any, int], contextlib.AbstractContextManager[Any]]  # (copier, call index)
@@ -108,6 +108,22 @@ def _needed(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> int
         return _peak(capture, start, *args, capacity=None, **kwargs)
 
 
+def _fit(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> tuple[int, bool]:
+    """``(peak, spared)``: :func:`_needed`'s peak, and whether the run also fits with
+    :data:`SPARE` bytes less (estimated again under ``capacity - SPARE``; from a known state only)."""
+    try:
+        peak = _peak(capture, start, *args, capacity=capture.capacity, **kwargs)
+    except torch.OutOfMemoryError:
+        return _peak(capture, start, *args, capacity=None, **kwargs), False
+    if not isinstance(start, AllocatorState):
+        return peak, False
+    try:
+        _peak(capture, start, *args, capacity=capture.capacity - SPARE, **kwargs)
+    except torch.OutOfMemoryError:
+        return peak, False
+    return peak, True
+
+
 def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     """The largest micro-batch whose steps with gradient accumulation (:class:`MicroBatches`: as
     many micro-batches as keep the batch, the last one holding the rows left) fit in the capacity
@@ -130,7 +146,6 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     assert call is not None
     values = (*call.args, *call.kwargs.values())
     batched = [isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == size for v in values]
-    peaks: dict[int, tuple[int, bool]] = {}
 
     def peak(micro: int, capacity: int | None) -> tuple[int, bool]:
         plan = MicroBatches(size, micro, dim)
@@ -139,17 +154,20 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
 
     def fits(micro: int) -> bool:  # with one small segment to spare (see unsure())
         try:
-            peaks[micro] = peak(micro, capture.capacity)
+            peak(micro, capture.capacity - SPARE)
         except torch.OutOfMemoryError:
             return False
-        return peaks[micro][0] <= capture.capacity - SPARE
+        return True
 
     micro = search(fits, 1, size)[0]
     if micro >= size:
         return None
-    needs, unproven = peaks[max(micro, 1)] if max(micro, 1) in peaks else peak(1, None)
+    try:
+        needs, unproven = peak(max(micro, 1), capture.capacity)
+    except torch.OutOfMemoryError:
+        needs, unproven = peak(1, None)
     steps = math.ceil(size / max(micro, 1))
-    why = unsure(start, needs, capture.capacity)
+    why = unsure(start, spared=micro > 0)
     if why is None and unproven:
         why = (
             f"the allocator did not repeat itself within {MIDDLE_ESTIMATED} middle micro-batches, "
@@ -169,18 +187,18 @@ def _device(capture: OOMCapture) -> torch.device:
     return torch.device(capture.device)
 
 
-def unsure(start: Start, peak: int | None = None, capacity: int | None = None) -> str | None:
-    """Why a step remedy estimated from ``start`` to ``peak`` reserved bytes promises nothing in
-    ``capacity`` (``Remedy.unsure``), or ``None`` when it starts from the state it will meet and
-    leaves room for :data:`SPARE` bytes: a user's loop around the changed step keeps a few small
-    tensors the estimated step did not (the last loss, a value logged; the loss divided by the
-    accumulation steps), and where those need a new small-pool segment, that segment must fit."""
+def unsure(start: Start, spared: bool = True) -> str | None:
+    """Why a step remedy estimated from ``start`` promises nothing (``Remedy.unsure``), or ``None``
+    when it starts from the state it will meet and also fits with :data:`SPARE` bytes less
+    (``spared``): a user's loop around the changed step keeps a few small tensors the estimated
+    step did not (the last loss, a value logged), and where those need a new small-pool segment,
+    that segment must fit."""
     if not isinstance(start, AllocatorState):
         return f"the state at the failure is unknown ({start}), so estimated from an empty allocator"
-    if peak is not None and capacity is not None and capacity - SPARE < peak <= capacity:
+    if not spared:
         return (
-            f"within {format_size(SPARE)} of the capacity, where a small tensor the loop keeps "
-            "beyond the step (a logged loss) would need a new segment"
+            f"it fits with less than {format_size(SPARE)} to spare, which a small tensor the loop "
+            "keeps beyond the step (a logged loss) can take"
         )
     return None
 
@@ -201,11 +219,25 @@ def step_peak(
         return _needed(capture, start, call.func, lambda: (call.args, call.kwargs), call_context=call_context)
 
 
+def step_fit(
+    capture: OOMCapture,
+    start: Start,
+    context: contextlib.AbstractContextManager[Any] | None = None,
+    call_context: CallContext | None = None,
+) -> tuple[int, bool]:
+    """:func:`step_peak`, and whether the step also fits with :data:`SPARE` bytes less (see
+    :func:`_fit`): what a step remedy needs to say "fits"."""
+    call = capture.call
+    assert call is not None
+    with context or contextlib.nullcontext():
+        return _fit(capture, start, call.func, lambda: (call.args, call.kwargs), call_context=call_context)
+
+
 def _autocast_remedy(capture: OOMCapture, start: Start, dtype: torch.dtype, kind: str) -> Remedy | None:
     device_type = torch.device(capture.device).type
     if capture.call is None or capture.capacity <= 0 or device_type not in ("cpu", "cuda"):
         return None
-    peak = step_peak(capture, start, torch.autocast(device_type, dtype=dtype))
+    peak, spared = step_fit(capture, start, torch.autocast(device_type, dtype=dtype))
     dtype_name = str(dtype).removeprefix("torch.")
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
     return Remedy(
@@ -213,7 +245,7 @@ def _autocast_remedy(capture: OOMCapture, start: Start, dtype: torch.dtype, kind
         f'torch.autocast("{device_type}", torch.{dtype_name}) ({short})',
         peak,
         capture.capacity,
-        unsure=unsure(start, peak, capture.capacity),
+        unsure=unsure(start, spared),
     )
 
 
@@ -327,12 +359,12 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     action = f"activation checkpointing of the {count} {cls.__name__} blocks"  # (its own for HF)
     details: dict[str, Any] = {"block": cls.__name__, "blocks": count, "transformers": False}
     if is_transformers_model(model):
-        peak = step_peak(capture, start, call_context=_transformers_checkpointing(model))
+        peak, spared = step_fit(capture, start, call_context=_transformers_checkpointing(model))
         action = "model.gradient_checkpointing_enable(), config.use_cache=False"
         details["transformers"] = True
     else:
-        peak = step_peak(capture, start, checkpointed(cls))
-    why = unsure(start, peak, capture.capacity)
+        peak, spared = step_fit(capture, start, checkpointed(cls))
+    why = unsure(start, spared)
     return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=why)
 
 
