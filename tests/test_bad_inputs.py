@@ -961,3 +961,69 @@ def test_a_file_in_a_folder_this_process_may_not_create_files_in_is_refused_befo
         == f"memlab run: error: -o {tmp_path}/old.json: this process may not create files in '{tmp_path}'\n"
     )
     assert (tmp_path / "old.json").read_bytes() == b"previous\n"
+
+
+# -- issue 25: remedies ----
+
+
+@pytest.mark.parametrize("budget", [0, "0 B", "0 GiB"])
+def test_autobatch_refuses_a_budget_of_nothing_as_max_batch_size_does(budget: Any) -> None:
+    message = f"budget must be a size above 0 bytes (e.g. '8 GiB'), got {budget!r}"
+    with pytest.raises(ValueError) as raised:
+        memlab.autobatch(loss_fn, budget=budget)
+    assert str(raised.value) == message
+    with pytest.raises(ValueError) as raised:  # the same check, from max_batch_size
+        memlab.max_batch_size(lambda x: loss_fn(x).backward(), lambda b: torch.randn(b, 8), budget=budget)
+    assert str(raised.value) == message
+
+
+def test_autobatch_with_a_budget_below_one_sample_says_what_one_needs() -> None:
+    model = torch.nn.Linear(256, 256)
+
+    def model_loss(x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    x = torch.randn(64, 256)
+    wrapped = memlab.autobatch(model_loss, budget="1 MiB", gpu="A100")
+    with pytest.raises(ValueError) as raised:
+        wrapped(x)
+    assert model.weight.grad is None  # nothing ran
+    # what one sample needs, from a tracked run of two of them in a row (as the estimate runs them)
+    with memlab.TensorTracker(gpu="A100") as tracker:
+        for _ in range(2):
+            model_loss(x[:1]).backward()
+    needs = memlab._units.format_size(tracker.max_memory_reserved())
+    assert str(raised.value) == (
+        f"autobatch: not even a micro-batch of 1 (of 64) fits in the budget (1.00M): it needs {needs} "
+        "(peak reserved, estimated)"
+    )
+
+
+# pytester runs the plugin's usage errors (the plugin is loaded from the entry point)
+pytest_plugins = ["pytester"]
+
+
+def test_two_limit_marks_on_one_test_are_a_usage_error_naming_both(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_file="""
+import pytest
+
+@pytest.mark.limit_tensor_memory("64 MiB")
+@pytest.mark.limit_tensor_memory("32 MiB", metric="reserved")
+def test_twice():
+    pass
+
+@pytest.mark.limit_tensor_memory("64 MiB")
+class TestClass:
+    @pytest.mark.limit_tensor_memory("1 MiB")
+    def test_closest(self):
+        pass
+"""
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0] == (
+        "ERROR: test_file.py::test_twice: 2 limit_tensor_memory marks on one test: "
+        "@pytest.mark.limit_tensor_memory('32 MiB', metric='reserved') and "
+        "@pytest.mark.limit_tensor_memory('64 MiB'); keep one"
+    )

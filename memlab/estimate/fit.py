@@ -191,10 +191,12 @@ def budget_in_bytes(
     budget: int | str | None, headroom: int | str, target: torch.device, gpu: GPU
 ) -> tuple[int, int]:
     """``(budget, headroom)`` in bytes, as a batch finder takes them: ``budget`` a size (``"16 GiB"``)
-    or by default :func:`default_budget` of ``target`` and ``gpu``; ``ValueError`` unless the
-    headroom is less than the budget."""
+    or by default :func:`default_budget` of ``target`` and ``gpu``; ``ValueError`` for a budget of
+    0 bytes, or unless the headroom is less than the budget."""
     extra = parse_size(headroom, name="headroom")
     limit = default_budget(target, gpu) if budget is None else parse_size(budget, name="budget")
+    if budget is not None and limit == 0:
+        raise ValueError(f"budget must be a size above 0 bytes (e.g. '8 GiB'), got {budget!r}")
     if extra >= limit:
         raise ValueError(
             f"headroom ({format_size(extra)}) must be less than the budget ({format_size(limit)})"

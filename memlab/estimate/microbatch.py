@@ -18,10 +18,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._gpus import GpuLike, resolve_gpu
-from memlab._units import parse_size
+from memlab._units import format_size
 from memlab.estimate.copies import named_objects
 from memlab.estimate.estimate import _target, run_estimate
-from memlab.estimate.fit import default_budget, fitting_estimate, modelled_gpu, search
+from memlab.estimate.fit import budget_in_bytes, default_budget, fitting_estimate, modelled_gpu, search
 
 __all__ = ["AutoBatched", "autobatch"]
 
@@ -182,7 +182,22 @@ class AutoBatched:
 
             return fitting_estimate(run, budget) is not None
 
-        return max(search(fits, 1, size)[0], 1)
+        found = search(fits, 1, size)[0]
+        if found == 0 and self.budget is not None:
+            needs = run_estimate(
+                self.loss_fn,
+                lambda: self._slices(leaves, spec, batched, 0, 1),
+                device,
+                with_grads=True,
+                backward=True,
+                steps=2,
+                gpu=gpu,
+            ).peak_reserved
+            raise ValueError(
+                f"autobatch: not even a micro-batch of 1 (of {size}) fits in the budget "
+                f"({format_size(budget)}): it needs {format_size(needs)} (peak reserved, estimated)"
+            )
+        return max(found, 1)
 
 
 def _check_loss(loss: Any, loss_fn: Callable[..., Any]) -> None:
@@ -263,7 +278,8 @@ def autobatch(
         isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1
     ):
         raise ValueError(f"micro_batch must be None (choose by estimate) or an int >= 1, got {micro_batch!r}")
-    limit = None if budget is None else parse_size(budget, name="budget")
+    # the check max_batch_size makes: a size, above 0 bytes (the target and GPU are not read)
+    limit = None if budget is None else budget_in_bytes(budget, 0, torch.device("cpu"), None)[0]
     if gpu is not None:
         resolve_gpu(gpu)  # a bad name fails here, not at the first call
 

@@ -74,8 +74,11 @@ class Remedy:
     the failure for a change to the step; for an allocator setting, the history before the
     failing call replayed under it, as a restart with it would run). Otherwise ``unsure`` says
     what it does not cover (the state at the failure unknown, so estimated from an empty
-    allocator; a replay that ends at the failing request), and the report shows the
-    :attr:`margin` instead of "fits"."""
+    allocator; a replay that ends at the failing request; a change to the step that leaves less
+    than one small segment free, see :func:`memlab.oom.step.unsure`), and the report shows the
+    :attr:`margin` instead of "fits". The state a step remedy starts from is the one once the error
+    is released: inside the ``except`` block that caught it (or while a notebook keeps it as
+    ``sys.last_value``) the failing call's frames, and the tensors they hold, are still alive."""
 
     kind: str
     action: str

@@ -20,15 +20,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
+from memlab._units import format_size
+from memlab.oom.accumulation import MIDDLE_ESTIMATED, Accumulation, MicroBatches
 from memlab.oom.capture import Call, OOMCapture
 from memlab.oom.report import Remedy
 from memlab.oom.state import AllocatorState
+from memlab.sources.allocator.config import K_SMALL_BUFFER
 
 __all__ = [
     "REMEDY_STEPS",
+    "SPARE",
     "STEP_REMEDIES",
     "Accumulation",
     "find_batch",
@@ -40,10 +43,8 @@ __all__ = [
 #: Optimizer steps each step remedy is estimated for: the first from the state at the failure, the
 #: second from what the first leaves (optimizer state, cached blocks), as training goes on.
 REMEDY_STEPS = 2
-#: Micro-batches estimated per optimizer step at most: the first (gradients as the step found them),
-#: one in the middle (gradients accumulated, no optimizer step) that stands for every middle one,
-#: and the last (the optimizer step).
-MICRO_BATCHES_ESTIMATED = 3
+#: The bytes a step remedy must also fit without to be marked "fits": one small-pool segment.
+SPARE = K_SMALL_BUFFER
 Start = AllocatorState | str  # the state a remedy starts from, or why the state at the failure is unknown
 CallContext = Callable[[Any, int], contextlib.AbstractContextManager[Any]]  # (copier, call index)
 
@@ -64,116 +65,35 @@ def find_batch(call: Call) -> tuple[int, int] | None:
     return sizes.most_common(1)[0][0], dim
 
 
-def _batch_maker(
-    call: Call, size: int, dim: int
-) -> tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]]]:
-    """``(step, make_batch)`` for an estimate: ``make_batch(b)`` gives the call's positional
-    arguments with each batch tensor cut to its first ``b`` rows (a view of the live batch, as
-    ``x.split(b)`` gives: the estimate copies the whole batch into its block and allocates nothing
-    for the view); keyword arguments follow them, passed back by name."""
-    names = list(call.kwargs)
-    values = (*call.args, *call.kwargs.values())
-    batched = [isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == size for v in values]
-    func = call.func
-
-    def make_batch(b: int) -> tuple[Any, ...]:
-        return tuple(_cut(v, dim, b) if is_batch else v for v, is_batch in zip(values, batched, strict=True))
-
-    if not names:
-        return func, make_batch
-    count = len(call.args)
-
-    def step(*args: Any) -> Any:
-        return func(*args[:count], **dict(zip(names, args[count:], strict=True)))
-
-    return step, make_batch
-
-
-def _cut(tensor: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    with unset_fake_temporarily():  # a real view of the user's tensor, made under the estimate's fake mode
-        return tensor.narrow(dim, 0, rows)
-
-
-class Accumulation:
-    """The calls of an estimated step as the micro-batches of gradient accumulation, ``per_step``
-    calls to an optimizer step (a ``call_context`` of :func:`memlab.estimate.estimate.run_estimate`).
-
-    In each call the copied optimizers' ``step()`` runs only if it is the last micro-batch of its
-    optimizer step, and ``zero_grad()`` (of the copied optimizers and modules) only while no
-    skipped ``step()`` is pending: gradients then accumulate across the micro-batches whether the
-    step zeroes them first or last, as in the loop a user writes (backward per micro-batch, one
-    ``optimizer.step()`` and ``zero_grad()`` per batch). Only the copies are changed, for the call.
-    """
-
-    def __init__(self, per_step: int) -> None:
-        self.per_step = per_step
-        self._skipped = False  # a step() skipped since the last one that ran
-
-    @contextlib.contextmanager
-    def __call__(self, copier: Any, index: int) -> Iterator[None]:
-        if index == 0:
-            self._skipped = False
-        last = index % self.per_step == self.per_step - 1
-        patches = [(optimizer, "step", self._step(optimizer.step, last)) for optimizer in copier.optimizers]
-        patches += [(owner, "zero_grad", self._zero_grad(owner.zero_grad)) for owner in copier.optimizers]
-        patches += [(module, "zero_grad", self._zero_grad(module.zero_grad)) for module in copier.modules]
-        saved = [(owner, name, vars(owner).get(name, self)) for owner, name, _ in patches]
-        for owner, name, method in patches:
-            setattr(owner, name, method)
-        try:
-            yield
-        finally:
-            for owner, name, before in saved:
-                if before is self:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, before)
-
-    def _step(self, step: Callable[..., Any], last: bool) -> Callable[..., Any]:
-        def accumulating_step(*args: Any, **kwargs: Any) -> Any:
-            if not last:
-                self._skipped = True
-                return None
-            self._skipped = False
-            return step(*args, **kwargs)
-
-        return accumulating_step
-
-    def _zero_grad(self, zero_grad: Callable[..., Any]) -> Callable[..., Any]:
-        def accumulating_zero_grad(*args: Any, **kwargs: Any) -> Any:
-            return None if self._skipped else zero_grad(*args, **kwargs)
-
-        return accumulating_zero_grad
-
-
 def _peak(
     capture: OOMCapture,
     start: Start,
     fn: Callable[..., Any],
     make_arguments: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
     capacity: int | None,
-    micro_batches: int = 1,
     call_context: CallContext | None = None,
+    micro_batches: MicroBatches | None = None,
 ) -> int:
-    """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps of
-    ``micro_batches`` calls each (:class:`Accumulation`), from ``start`` (the state at the failure;
-    an empty allocator where it is unknown) under ``capacity`` bytes (``None``: no limit), counting
-    the cuBLAS workspaces of the GPU the failing run modelled (``capture.gpu``; for a GPU's own
-    error, the GPU in use); ``torch.OutOfMemoryError`` where they do not fit. ``call_context``:
-    as :func:`~memlab.estimate.estimate.run_estimate`'s (with one micro-batch only)."""
+    """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps (each of
+    the calls ``micro_batches`` plans, or one), from ``start`` (the state at the failure; an empty
+    allocator where it is unknown) under ``capacity`` bytes (``None``: no limit), counting the
+    cuBLAS workspaces of the GPU the failing run modelled (``capture.gpu``; for a GPU's own error,
+    the GPU in use); ``torch.OutOfMemoryError`` where they do not fit. ``call_context``: as
+    :func:`~memlab.estimate.estimate.run_estimate`'s (without micro-batches)."""
     from memlab.estimate.estimate import run_estimate
 
-    calls = min(micro_batches, MICRO_BATCHES_ESTIMATED)
-    assert call_context is None or calls == 1
-    if calls > 1:
-        call_context = Accumulation(calls)
+    starter = start.starter(capacity) if isinstance(start, AllocatorState) else None
+    calls = 1
+    if micro_batches is not None:
+        assert call_context is None
+        call_context, starter, calls = micro_batches, micro_batches.starter(starter), micro_batches.per_step
     return run_estimate(
         fn,
         make_arguments,
         _device(capture),
         steps=REMEDY_STEPS * calls,
         capacity=capacity,
-        start=start.starter(capacity) if isinstance(start, AllocatorState) else None,
+        start=starter,
         call_context=call_context,
         gpu=capture.gpu,
     ).peak_reserved
@@ -188,14 +108,33 @@ def _needed(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> int
         return _peak(capture, start, *args, capacity=None, **kwargs)
 
 
+def _fit(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> tuple[int, bool]:
+    """``(peak, spared)``: :func:`_needed`'s peak, and whether the run also fits with
+    :data:`SPARE` bytes less (estimated again under ``capacity - SPARE``; from a known state only)."""
+    try:
+        peak = _peak(capture, start, *args, capacity=capture.capacity, **kwargs)
+    except torch.OutOfMemoryError:
+        return _peak(capture, start, *args, capacity=None, **kwargs), False
+    if not isinstance(start, AllocatorState):
+        return peak, False
+    try:
+        _peak(capture, start, *args, capacity=capture.capacity - SPARE, **kwargs)
+    except torch.OutOfMemoryError:
+        return peak, False
+    return peak, True
+
+
 def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
-    """The largest micro-batch whose steps with gradient accumulation (:class:`Accumulation`, as
-    many micro-batches as keep the batch) fit in the capacity from ``start``, found by doubling
-    then bisection up to the batch the call had (:func:`memlab.estimate.fit.search`); ``None``
-    without a batch, or when the whole batch fits (the memory the step lacked is held outside its
-    arguments: see the held-across-calls remedy). Each micro-batch is a view of its rows of the
-    batch, which stays live."""
-    from memlab.estimate.fit import call_arguments, search
+    """The largest micro-batch whose steps with gradient accumulation (:class:`MicroBatches`: as
+    many micro-batches as keep the batch, the last one holding the rows left) fit in the capacity
+    from ``start`` with :data:`SPARE` bytes to spare, found by doubling then bisection up to the
+    batch the call had (:func:`memlab.estimate.fit.search`); ``None`` without a batch, or when the
+    whole batch fits (the memory the step lacked is held outside its arguments: see the
+    held-across-calls remedy).
+    Each micro-batch is a view of its rows of the batch, which stays live. Where the middle
+    micro-batches could not be shown to repeat (:attr:`MicroBatches.unproven`), the remedy is a
+    margin (``unsure``)."""
+    from memlab.estimate.fit import search
 
     call = capture.call
     found = None if call is None or capture.capacity <= 0 else find_batch(call)
@@ -204,18 +143,18 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     size, dim = found
     if size < 2:
         return None
-    step, make_batch = _batch_maker(call, size, dim)  # type: ignore[arg-type]
-    peaks: dict[int, int] = {}
+    assert call is not None
+    values = (*call.args, *call.kwargs.values())
+    batched = [isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == size for v in values]
 
-    def peak(micro: int, capacity: int | None) -> int:
-        def arguments() -> tuple[tuple[Any, ...], dict[str, Any]]:
-            return call_arguments(make_batch(micro))
+    def peak(micro: int, capacity: int | None) -> tuple[int, bool]:
+        plan = MicroBatches(size, micro, dim)
+        step = plan.step(call.func, batched, len(call.args), list(call.kwargs))
+        return _peak(capture, start, step, lambda: (values, {}), capacity, micro_batches=plan), plan.unproven
 
-        return _peak(capture, start, step, arguments, capacity, micro_batches=math.ceil(size / micro))
-
-    def fits(micro: int) -> bool:
+    def fits(micro: int) -> bool:  # with one small segment to spare (see unsure())
         try:
-            peaks[micro] = peak(micro, capture.capacity)
+            peak(micro, capture.capacity - SPARE)
         except torch.OutOfMemoryError:
             return False
         return True
@@ -223,15 +162,24 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     micro = search(fits, 1, size)[0]
     if micro >= size:
         return None
-    needs = peaks[micro] if micro else peak(1, None)
+    try:
+        needs, unproven = peak(max(micro, 1), capture.capacity)
+    except torch.OutOfMemoryError:
+        needs, unproven = peak(1, None)
     steps = math.ceil(size / max(micro, 1))
+    why = unsure(start, spared=micro > 0)
+    if why is None and unproven:
+        why = (
+            f"the allocator did not repeat itself within {MIDDLE_ESTIMATED} middle micro-batches, "
+            "so the other ones were not estimated"
+        )
     return Remedy(
         "micro_batch",
         f"micro-batches of {max(micro, 1)} (of {size}), {steps} accumulation steps",
         needs,
         capture.capacity,
         {"micro_batch": max(micro, 1), "batch": size, "accumulation_steps": steps, "largest_fitting": micro},
-        unsure=unsure(start),
+        unsure=why,
     )
 
 
@@ -239,12 +187,20 @@ def _device(capture: OOMCapture) -> torch.device:
     return torch.device(capture.device)
 
 
-def unsure(start: Start) -> str | None:
+def unsure(start: Start, spared: bool = True) -> str | None:
     """Why a step remedy estimated from ``start`` promises nothing (``Remedy.unsure``), or ``None``
-    when it starts from the state it will meet."""
-    if isinstance(start, AllocatorState):
-        return None
-    return f"the state at the failure is unknown ({start}), so estimated from an empty allocator"
+    when it starts from the state it will meet and also fits with :data:`SPARE` bytes less
+    (``spared``): a user's loop around the changed step keeps a few small tensors the estimated
+    step did not (the last loss, a value logged), and where those need a new small-pool segment,
+    that segment must fit."""
+    if not isinstance(start, AllocatorState):
+        return f"the state at the failure is unknown ({start}), so estimated from an empty allocator"
+    if not spared:
+        return (
+            f"it fits with less than {format_size(SPARE)} to spare, which a small tensor the loop "
+            "keeps beyond the step (a logged loss) can take"
+        )
+    return None
 
 
 def step_peak(
@@ -263,11 +219,25 @@ def step_peak(
         return _needed(capture, start, call.func, lambda: (call.args, call.kwargs), call_context=call_context)
 
 
+def step_fit(
+    capture: OOMCapture,
+    start: Start,
+    context: contextlib.AbstractContextManager[Any] | None = None,
+    call_context: CallContext | None = None,
+) -> tuple[int, bool]:
+    """:func:`step_peak`, and whether the step also fits with :data:`SPARE` bytes less (see
+    :func:`_fit`): what a step remedy needs to say "fits"."""
+    call = capture.call
+    assert call is not None
+    with context or contextlib.nullcontext():
+        return _fit(capture, start, call.func, lambda: (call.args, call.kwargs), call_context=call_context)
+
+
 def _autocast_remedy(capture: OOMCapture, start: Start, dtype: torch.dtype, kind: str) -> Remedy | None:
     device_type = torch.device(capture.device).type
     if capture.call is None or capture.capacity <= 0 or device_type not in ("cpu", "cuda"):
         return None
-    peak = step_peak(capture, start, torch.autocast(device_type, dtype=dtype))
+    peak, spared = step_fit(capture, start, torch.autocast(device_type, dtype=dtype))
     dtype_name = str(dtype).removeprefix("torch.")
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
     return Remedy(
@@ -275,7 +245,7 @@ def _autocast_remedy(capture: OOMCapture, start: Start, dtype: torch.dtype, kind
         f'torch.autocast("{device_type}", torch.{dtype_name}) ({short})',
         peak,
         capture.capacity,
-        unsure=unsure(start),
+        unsure=unsure(start, spared),
     )
 
 
@@ -389,12 +359,13 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     action = f"activation checkpointing of the {count} {cls.__name__} blocks"  # (its own for HF)
     details: dict[str, Any] = {"block": cls.__name__, "blocks": count, "transformers": False}
     if is_transformers_model(model):
-        peak = step_peak(capture, start, call_context=_transformers_checkpointing(model))
+        peak, spared = step_fit(capture, start, call_context=_transformers_checkpointing(model))
         action = "model.gradient_checkpointing_enable(), config.use_cache=False"
         details["transformers"] = True
     else:
-        peak = step_peak(capture, start, checkpointed(cls))
-    return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=unsure(start))
+        peak, spared = step_fit(capture, start, checkpointed(cls))
+    why = unsure(start, spared)
+    return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=why)
 
 
 #: The step remedies, in the order they are listed: each takes the capture and the state at the

@@ -169,6 +169,7 @@ def measured(
     What it cannot see is what a tracker or ``torch.cuda.memory_stats`` cannot see: kernel
     workspaces (tracker), the CUDA context, memory allocated outside PyTorch's allocator.
     """
+    __tracebackhide__ = True
     measurement = Measurement() if into is None else into
     gpu = _gpu(device)
     if gpu is not None:
@@ -205,6 +206,7 @@ def _read_tracker(
 
 @contextlib.contextmanager
 def _on_gpu(gpu: torch.device, measurement: Measurement, history: bool, leaks: bool) -> Iterator[None]:
+    __tracebackhide__ = True
     start_allocated = torch.cuda.memory_allocated(gpu)
     start_reserved = torch.cuda.memory_reserved(gpu)
     torch.cuda.reset_peak_memory_stats(gpu)

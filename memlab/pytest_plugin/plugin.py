@@ -9,6 +9,11 @@ checked with GPU numbers on any machine.
   allocated peak; a ``limit_tensor_memory`` mark overrides it for its test.
 - ``--memlab`` prints, at the end, the tests with the highest peaks (``--memlab-top N``).
 
+A test takes one mark of each kind: two on the test itself are a usage error that names both; a
+mark on the test overrides its class's or module's (pytest's closest mark). A failing test's
+traceback shows no frame of the plugin nor of the tracker that measures it (the frames a failing
+op gets under a dispatch mode are cut where the test's code called it).
+
 What is measured is the test function's call: setup and teardown (fixtures) are not, and tensors
 that existed before the call are not counted (:func:`memlab.pytest_plugin.measure.measured`).
 The plugin is inert unless a mark or an option asks for it: loading it imports neither torch nor
@@ -17,6 +22,7 @@ pandas, and unmarked tests run untouched.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from typing import Any
 
@@ -33,6 +39,7 @@ __all__ = [
 
 _LIMITS = pytest.StashKey[tuple[marks.MemoryLimit | None, marks.LeakLimit | None]]()
 _MEASURING = "memlab-measuring"
+_MEMLAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memlab's folder
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -108,14 +115,54 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _read(item: pytest.Item, name: str, read: Any) -> Any:
-    mark = item.get_closest_marker(name)
+    own = [mark for mark in item.own_markers if mark.name == name]
+    if len(own) > 1:
+        shown = " and ".join(f"@pytest.mark.{name}({_arguments(mark)})" for mark in own)
+        raise pytest.UsageError(f"{item.nodeid}: {len(own)} {name} marks on one test: {shown}; keep one")
+    mark = item.get_closest_marker(name)  # the test's own, else its class's or module's
     if mark is None:
         return None
     try:
         return read(mark.args, mark.kwargs)
     except (TypeError, ValueError) as error:
-        arguments = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
-        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{name}({arguments}): {error}") from None
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{name}({_arguments(mark)}): {error}") from None
+
+
+def _arguments(mark: pytest.Mark) -> str:
+    return ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
+
+
+def without_dispatch_frames(error: BaseException) -> None:
+    """Cut from ``error``'s traceback the frames the measuring tracker added to a failing op: its
+    ``__torch_dispatch__``, PyTorch's wrapper around it and the op called from there, so that the
+    traceback ends where the test's own code called the op, as it does unmeasured. An error raised
+    by memlab's own code is left as it is."""
+    entries = []
+    tb = error.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    if not entries or _is_memlab(entries[-1].tb_frame.f_code.co_filename):
+        return
+    for index, entry in enumerate(entries):
+        code = entry.tb_frame.f_code
+        if code.co_name == "__torch_dispatch__" and _is_memlab(code.co_filename):
+            start = index
+            while start > 1 and _is_torch(entries[start - 1].tb_frame.f_code.co_filename):
+                start -= 1  # torch's _disable_dynamo wrapper around the mode's __torch_dispatch__
+            if start > 0:
+                entries[start - 1].tb_next = None
+            return
+
+
+def _is_memlab(filename: str) -> bool:
+    return filename.startswith(_MEMLAB)
+
+
+def _is_torch(filename: str) -> bool:
+    import torch
+
+    return filename.startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
 class MeasuringPlugin:
@@ -131,6 +178,7 @@ class MeasuringPlugin:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
+        __tracebackhide__ = True  # a failing test's traceback shows the test, not the plugin
         memory, leaks = item.stash.get(_LIMITS, (None, None))
         memory = memory if memory is not None else self.default
         if memory is None and leaks is None and not self.table:
@@ -142,7 +190,11 @@ class MeasuringPlugin:
         measurement = Measurement()
         try:
             with measured(device, history=history, leaks=leaks is not None, into=measurement):
-                result = yield
+                try:
+                    result = yield
+                except BaseException as error:
+                    without_dispatch_frames(error)
+                    raise
         finally:
             if self.table:  # failed tests too: their peaks are real
                 self.peaks.append(

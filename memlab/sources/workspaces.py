@@ -325,11 +325,13 @@ class CublasWorkspaces:
         key = (pool, device, _stream(tensors[0].device), _handle())
         if key in self.keys:
             return
-        self.keys.append(key)
         if self._present.get((pool, device), 0) > 0:
             self._present[(pool, device)] -= 1
-            return
-        allocate(device, self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas)
+        else:
+            # a workspace that runs out of memory is not kept: the next op asks again, as PyTorch's
+            # map of workspaces gets its entry only once getNewWorkspace() returned
+            allocate(device, self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas)
+        self.keys.append(key)
 
     def caveats(self) -> list[str]:
         """One sentence naming the cuDNN convolution workspaces the run would have, if it had any."""

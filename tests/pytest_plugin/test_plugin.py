@@ -245,3 +245,40 @@ def test_without_marks_or_options_the_plugin_imports_nothing_and_measures_nothin
     pytester.makepyfile(test_file=textwrap.dedent(source))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=1)
+
+
+def test_a_failing_measured_test_shows_its_own_line_and_no_plugin_or_tracker_frame(pytester):
+    source = """\
+        import pytest, torch
+
+        def reshape(x):
+            return x.view(3, 7)
+
+        @pytest.mark.limit_tensor_memory("1 MiB")
+        def test_fails():
+            reshape(torch.ones(10))
+        """
+    result = run(pytester, source, "--tb=long")
+    result.assert_outcomes(failed=1)
+    shown = failure(result.outlines)
+    assert not [line for line in shown if "memlab" in line or "torch/" in line]
+    assert shown[-6:] == [  # ends where the test's code called the op
+        "    def reshape(x):",
+        ">       return x.view(3, 7)",
+        "               ^^^^^^^^^^^^",
+        "E       RuntimeError: shape '[3, 7]' is invalid for input of size 10",
+        "",
+        "test_file.py:4: RuntimeError",
+    ]
+    # unmeasured, the same test fails with the same traceback
+    plain = run(pytester, source.replace('@pytest.mark.limit_tensor_memory("1 MiB")', "#"), "--tb=long")
+    assert [line for line in failure(plain.outlines) if line.strip() != "#"] == [
+        line for line in shown if "limit_tensor_memory" not in line
+    ]
+
+
+def failure(lines: list[str]) -> list[str]:
+    """The lines of the one failure's report, up to its ``file:line: Error`` line."""
+    start = next(i for i, line in enumerate(lines) if "FAILURES" in line) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith("test_file.py:4: ")) + 1
+    return lines[start:end]
