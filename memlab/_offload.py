@@ -1,5 +1,5 @@
-"""Offload files for :class:`memlab.Courtesy`: raw bytes written once, read back, deleted without
-failing, and Ctrl-C held back while tensors are being put back."""
+"""Offload files for :class:`memlab.Courtesy`: raw bytes written once with their CRC-32, read back
+and checked, deleted without failing, and Ctrl-C held back while tensors are being put back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,21 +45,30 @@ def _buffer(storage: torch.UntypedStorage) -> memoryview:
     return memoryview((ctypes.c_ubyte * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
 
 
-def write_bytes(path: Path, storage: torch.UntypedStorage) -> None:
-    """Write the bytes of a CPU ``storage`` to a new file at ``path``."""
+def write_bytes(path: Path, storage: torch.UntypedStorage) -> int:
+    """Write the bytes of a CPU ``storage`` to a new file at ``path``; return their CRC-32
+    (``zlib.crc32``, about 40 ms for 256 MiB, a sixteenth of the write to a local disk)."""
+    data = _buffer(storage)
     with open(path, "xb") as file:
-        file.write(_buffer(storage))
+        file.write(data)
+    return zlib.crc32(data)
 
 
-def read_bytes(path: Path, nbytes: int) -> torch.UntypedStorage:
+def read_bytes(path: Path, nbytes: int, checksum: int | None = None) -> torch.UntypedStorage:
     """The ``nbytes`` bytes written to ``path``, in a new CPU storage; ``OSError`` when the file is
-    missing or unreadable, or holds another number of bytes (truncated or changed)."""
+    missing or unreadable, holds another number of bytes (truncated or grown), or, given the
+    ``checksum`` :func:`write_bytes` returned, bytes whose CRC-32 differs (changed in place)."""
     storage = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         read = file.readinto(_buffer(storage)) if size == nbytes else None
     if read != nbytes:
         raise OSError(f"the file holds {size} bytes, {nbytes} were written: it was truncated or changed")
+    if checksum is not None and (found := zlib.crc32(_buffer(storage))) != checksum:
+        raise OSError(
+            f"its bytes changed after they were written (CRC-32 {found:#010x}, {checksum:#010x} was "
+            "written): it was overwritten or corrupted"
+        )
     return storage
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from memlab import Courtesy, _offload
+from memlab.courtesy import ParkedTensorError
 from memlab.sources.tracker import TensorTracker
 
 
@@ -296,12 +297,12 @@ def _disk_full_after(count: int, written: list[Path]) -> Any:
     """A writer that writes ``count`` files, then leaves part of the next one and fails as a full disk."""
     real = _offload.write_bytes
 
-    def write(path: Path, storage: torch.UntypedStorage) -> None:
+    def write(path: Path, storage: torch.UntypedStorage) -> int:
         if len(written) == count:
             path.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         written.append(path)
-        real(path, storage)
+        return real(path, storage)
 
     return write
 
@@ -330,6 +331,7 @@ def test_a_yield_that_fails_part_way_puts_every_tensor_back_and_removes_its_file
 
 def test_a_second_yield_that_fails_undoes_only_its_own_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     first = torch.full((300,), 1.5)
+    gc.collect()  # no tensor of an earlier test may die meanwhile: every parked one comes back
     courtesy = Courtesy(device="cpu", offload=tmp_path)
     moved = courtesy.yield_memory()
     (workdir,) = tmp_path.iterdir()
@@ -353,13 +355,14 @@ def test_ctrl_c_while_parking_puts_every_tensor_back(
     written: list[Path] = []
     real = _offload.write_bytes
 
-    def write(path: Path, storage: torch.UntypedStorage) -> None:
+    def write(path: Path, storage: torch.UntypedStorage) -> int:
         written.append(path)
-        real(path, storage)
+        checksum = real(path, storage)
         if len(written) == 3 and interrupt == "raised":
             raise KeyboardInterrupt
         if len(written) == 3:
             os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt at its next check
+        return checksum
 
     monkeypatch.setattr(_offload, "write_bytes", write)
     courtesy = Courtesy(device="cpu", offload=tmp_path)
@@ -380,11 +383,11 @@ def test_ctrl_c_while_restoring_waits_until_every_tensor_is_back(
     reads: list[Path] = []
     real = _offload.read_bytes
 
-    def read(path: Path, nbytes: int) -> torch.UntypedStorage:
+    def read(path: Path, nbytes: int, checksum: int | None) -> torch.UntypedStorage:
         reads.append(path)
         if len(reads) == 2:
             os.kill(os.getpid(), signal.SIGINT)
-        return real(path, nbytes)
+        return real(path, nbytes, checksum)
 
     monkeypatch.setattr(_offload, "read_bytes", read)
     with pytest.raises(KeyboardInterrupt):
@@ -394,21 +397,36 @@ def test_ctrl_c_while_restoring_waits_until_every_tensor_is_back(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-_WRITES: dict[str, Callable[[torch.Tensor], object]] = {
-    "add_": lambda t: t.add_(1),
-    "fill_": lambda t: t.fill_(1),
-    "zero_": lambda t: t.zero_(),
-    "copy_": lambda t: t.copy_(torch.ones(t.shape, dtype=t.dtype)),
-    "setitem": lambda t: t.__setitem__(..., 1),
-    "out=": lambda t: torch.mul(torch.ones(t.shape, dtype=t.dtype), 2, out=t),
+# Each way to write to a tensor or change its shape, strides or storage in place, and the name
+# the error gives it.
+_WRITES: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "add_": (lambda t: t.add_(1), "add_"),
+    "+=": (lambda t: t.__iadd__(1), "add_"),
+    "fill_": (lambda t: t.fill_(1), "fill_"),
+    "zero_": (lambda t: t.zero_(), "zero_"),
+    "copy_": (lambda t: t.copy_(torch.ones(t.shape, dtype=t.dtype)), "copy_"),
+    "setitem": (lambda t: t.__setitem__(..., 1), "__setitem__"),
+    "out=": (lambda t: torch.mul(torch.ones(t.shape, dtype=t.dtype), 2, out=t), "mul(out=...)"),
+    "resize_": (lambda t: t.resize_(100), "resize_"),
+    "set_": (lambda t: t.set_(torch.zeros(3, dtype=t.dtype).untyped_storage()), "set_"),
+    "unsqueeze_": (lambda t: t.unsqueeze_(0), "unsqueeze_"),
+    "t_": (lambda t: t.t_(), "t_"),
+    "as_strided_": (lambda t: t.as_strided_((1,), (1,)), "as_strided_"),
+    "squeeze_": (lambda t: t.squeeze_(), "squeeze_"),
+    "share_memory_": (lambda t: t.share_memory_(), "share_memory_"),
+    "nn.init (by keyword)": (lambda t: nn.init.constant_(t, 2), "constant_"),
+    "inplace=True": (lambda t: torch.nn.functional.relu(t, inplace=True), "relu(inplace=True)"),
+    "torch.ops": (lambda t: torch.ops.aten.add_.Scalar(t, 1), "add_.Scalar"),
+    "_foreach_": (lambda t: torch._foreach_add_([t], 1), "_foreach_add_"),
 }
 
 
-# PyTorch's words: the storage refuses a mutable pointer, or (checked first, for more than one
-# element over stride 0) the write would go to one element several times.
-_REFUSED = (
-    "^(Cannot access data pointer of Tensor|unsupported operation: more than one element of the written-to)"
-)
+def _parked_message(tensor: torch.Tensor, how: str) -> str:
+    return (
+        f"tensor {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} is parked by "
+        f"memlab.Courtesy until restore(): {how} would write to it or change its shape, strides or "
+        "storage in place; call restore() first"
+    )
 
 
 @pytest.mark.parametrize("write", sorted(_WRITES))
@@ -418,15 +436,23 @@ def test_every_write_to_a_parked_tensor_raises_whatever_its_shape(
 ):
     target = torch.full(shape, 4.0)
     integer = torch.full(shape, 9, dtype=torch.int64)
-    other = torch.full((5,), 6.0)  # another parked float32 tensor: it shares the placeholder's element
+    other = torch.full((5,), 6.0)
     courtesy = Courtesy(device="cpu", offload=tmp_path)
     courtesy.yield_memory()
+    placeholders = [t.untyped_storage() for t in (target, integer, other)]
+    op, how = _WRITES[write]
     for tensor in (target, integer):
-        with pytest.raises(RuntimeError, match=_REFUSED):
-            _WRITES[write](tensor)
-    assert torch.isnan(other).all() and integer.eq(0).all() and target.shape == shape
+        with pytest.raises(ParkedTensorError) as raised:
+            op(tensor)
+        assert str(raised.value) == _parked_message(tensor, how)
+        assert isinstance(raised.value, RuntimeError)
+    assert (target.shape, integer.shape, target.stride()) == (shape, shape, (0,) * len(shape))
+    assert [t.untyped_storage() for t in (target, integer, other)] == placeholders
+    assert [s.nbytes() for s in placeholders] == [4, 8, 4]  # nothing grew
+    assert torch.isnan(other).all() and torch.isnan(target).all() and integer.eq(0).all()
     courtesy.restore()
     assert target.eq(4.0).all() and integer.eq(9).all() and other.eq(6.0).all()
+    assert type(target) is torch.Tensor and target.shape == shape
 
 
 def test_an_optimizer_step_on_parked_state_raises_and_changes_nothing(tmp_path: Path):
@@ -436,8 +462,9 @@ def test_an_optimizer_step_on_parked_state_raises_and_changes_nothing(tmp_path: 
     assert before["0.weight.step"].shape == ()  # AdamW's 0-d step counter
     courtesy = Courtesy(device="cpu", offload=tmp_path)
     courtesy.yield_memory()
-    with pytest.raises(RuntimeError, match=_REFUSED):
+    with pytest.raises(ParkedTensorError) as raised:
         optimizer.step()
+    assert str(raised.value) == _parked_message(before["0.weight.step"], "add_")  # AdamW's step += 1
     courtesy.restore()
     after = _state(model, optimizer)
     assert all(_bit_identical(after[name], before[name]) for name in before)
@@ -570,7 +597,8 @@ def test_cuda_yield_to_a_directory_writes_raw_bytes_and_restores_on_the_gpu(tmp_
     with Courtesy(device="cuda", offload=tmp_path) as courtesy:
         assert courtesy.yielded_bytes == 4004 and torch.cuda.memory_allocated() == 0
         assert weight.device.type == "cpu" and torch.isnan(weight).all()
-        with pytest.raises(RuntimeError, match=_REFUSED):
+        with pytest.raises(ParkedTensorError) as raised:
             step.add_(1)
+        assert str(raised.value) == _parked_message(step, "add_")
     assert weight.device.type == "cuda" and weight.cpu().tolist() == [float(i) for i in range(1000)]
     assert step.item() == 3.0 and list(tmp_path.iterdir()) == []
