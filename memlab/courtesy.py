@@ -185,30 +185,19 @@ class Courtesy:
 
     def _restore(self) -> int:
         restored = 0
-        failed: list[tuple[_MovedStorage, list[torch.Tensor], Exception]] = []
+        failed: list[tuple[_MovedStorage, str, Exception]] = []  # what, its tensors (named), why
         undeletable: list[str] = []
         found = _tensors_on({key for moved in self._moved for key in _storage_ids(moved)})
         for moved in list(self._moved):
             live = _live(moved, found)
-            tensors = [tensor for tensor, _ in live]
-            unplaced = [tensor for tensor, view in live if view is None]
-            if unplaced:
-                failed.append((moved, tensors, ParkedTensorError(_unplaced(unplaced))))
-                continue
-            if live and moved.restored is None:
-                try:
-                    moved.restored = self._read_back(moved)
-                except Exception as error:  # this storage stays parked; the others come back
-                    failed.append((moved, tensors, error))
-                    continue
-            for tensor, view in live:
-                if moved.parking is not None:
-                    moved.parking.release(tensor)
-                repoint(tensor, moved.restored, view)
-            if live:
+            error = self._bring_back(moved, live)
+            if error is not None:  # this storage stays parked; the others come back
+                failed.append((moved, describe([tensor for tensor, _ in live]), error))
+            elif live:
                 restored += moved.nbytes
-            del live, tensors
-            self._forget(moved, undeletable)
+            del live  # no user tensor may stay referenced by this frame (an error's traceback)
+            if error is None:
+                self._forget(moved, undeletable)
         del found
         if not self._moved:
             self._remove_workdir(undeletable)
@@ -216,6 +205,25 @@ class Courtesy:
         if failed:
             raise _not_restored(failed)
         return restored
+
+    def _bring_back(
+        self, moved: _MovedStorage, live: list[tuple[torch.Tensor, View | None]]
+    ) -> Exception | None:
+        """Re-point the ``live`` tensors of ``moved`` at a copy read back; the error that prevents
+        it (raised by nothing: its traceback, which would hold the tensors, is dropped)."""
+        unplaced = [tensor for tensor, view in live if view is None]
+        if unplaced:
+            return ParkedTensorError(_unplaced(unplaced))
+        if live and moved.restored is None:
+            try:
+                moved.restored = self._read_back(moved)
+            except Exception as error:
+                return error.with_traceback(None)
+        for tensor, view in live:
+            if moved.parking is not None:
+                moved.parking.release(tensor)
+            repoint(tensor, moved.restored, view)
+        return None
 
     def _forget(self, moved: _MovedStorage, undeletable: list[str]) -> None:
         """Drop ``moved`` (back, or rolled back): its file, its placeholders, its record."""
@@ -386,12 +394,12 @@ def _unplaced(tensors: list[torch.Tensor]) -> str:
     )
 
 
-def _not_restored(failed: list[tuple[_MovedStorage, list[torch.Tensor], Exception]]) -> Exception:
+def _not_restored(failed: list[tuple[_MovedStorage, str, Exception]]) -> Exception:
     """The error :meth:`Courtesy.restore` raises for storages it could not bring back."""
     lines = []
     for moved, tensors, error in failed:
         where = str(moved.path) if moved.path is not None else "host copy"
-        lines.append(f"{where} ({moved.nbytes} B, {describe(tensors)}): {_offload.reason(error)}")
+        lines.append(f"{where} ({moved.nbytes} B, {tensors}): {_offload.reason(error)}")
     count = len(failed)
     text = (
         f"Courtesy.restore() could not bring back {count} storage{'s' * (count != 1)}; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import gc
 import os
@@ -9,6 +10,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from memlab import Courtesy, _offload
+from memlab._parked import ParkedTensor
 from memlab.courtesy import ParkedTensorError
 from memlab.sources.tracker import TensorTracker
 
@@ -602,3 +606,203 @@ def test_cuda_yield_to_a_directory_writes_raw_bytes_and_restores_on_the_gpu(tmp_
         assert str(raised.value) == _parked_message(step, "add_")
     assert weight.device.type == "cuda" and weight.cpu().tolist() == [float(i) for i in range(1000)]
     assert step.item() == 3.0 and list(tmp_path.iterdir()) == []
+
+
+# -- issue 25: a file changed in place, views taken while parked, inference tensors, every dtype --
+
+
+def test_a_file_changed_in_place_is_refused_named_and_restored_once_put_back(tmp_path: Path):
+    changed = torch.arange(1000, dtype=torch.float32)  # 4000 B
+    changed_view = changed[100:200]
+    kept = [torch.full((300 + i,), float(i)) for i in range(4)]
+    before = [t.clone() for t in kept]
+    data = _raw(changed)
+    gc.collect()  # no tensor of an earlier test may die meanwhile
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    moved = courtesy.yield_memory()
+    (workdir,) = tmp_path.iterdir()
+    path = _file_holding(workdir, data)
+    corrupt = bytearray(data)
+    corrupt[2000:2004] = b"\x00\x00\xc0\x7f"  # one float in the middle becomes NaN; the size is the same
+    path.write_bytes(bytes(corrupt))
+    expected = (
+        "Courtesy.restore() could not bring back 1 storage; its tensors stay parked (placeholders that "
+        "read NaN or 0) and everything else is restored. Fix the cause (put the file back, free memory) "
+        f"and call restore() again: {path} (4000 B, tensors float32 [1000], float32 [100]): its bytes "
+        f"changed after they were written (CRC-32 {zlib.crc32(corrupt):#010x}, {zlib.crc32(data):#010x} "
+        "was written): it was overwritten or corrupted"
+    )
+    for _ in range(2):  # a retry with the file still changed loses nothing more
+        with pytest.raises(OSError) as raised:
+            courtesy.restore()
+        assert str(raised.value) == expected
+        assert courtesy.yielded_bytes == 4000 < moved
+        assert all(_bit_identical(a, b) for a, b in zip(kept, before, strict=True))
+        assert torch.isnan(changed).all() and type(changed) is ParkedTensor
+        assert sorted(workdir.iterdir()) == [path] and path.read_bytes() == corrupt
+    path.write_bytes(data)
+    assert courtesy.restore() == 4000 and courtesy.yielded_bytes == 0 and not workdir.exists()
+    assert _raw(changed) == data and type(changed) is torch.Tensor
+    assert (
+        changed_view.untyped_storage() is changed.untyped_storage() and changed_view.storage_offset() == 100
+    )
+
+
+# Aliases taken of parked tensors inside the block, each as a function of the tensors it is taken
+# of: after restore it must be the same alias of the restored tensors, byte for byte.
+_ALIASES: dict[str, Callable[[nn.Linear, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "weight[0]": lambda m, x, c: m.weight[0],
+    "weight.detach()": lambda m, x, c: m.weight.detach(),
+    "weight.data": lambda m, x, c: m.weight.data,
+    "weight.view(2, 12)": lambda m, x, c: m.weight.view(2, 12),
+    "weight.detach().view(-1)[5:]": lambda m, x, c: m.weight.detach().view(-1)[5:],
+    "x.T": lambda m, x, c: x.T,
+    "x.mT": lambda m, x, c: x.mT,
+    "x[::2]": lambda m, x, c: x[::2],
+    "x[1:][:, 2:][0]": lambda m, x, c: x[1:][:, 2:][0],
+    "x.split(2)[1]": lambda m, x, c: x.split(2)[1],
+    "list(x)[2]": lambda m, x, c: list(x)[2],
+    "x.narrow(1, 2, 3)": lambda m, x, c: x.narrow(1, 2, 3),
+    "x.diagonal()": lambda m, x, c: x.diagonal(),
+    "x.unfold(1, 2, 2)": lambda m, x, c: x.unfold(1, 2, 2),
+    "x[0:1].expand(3, 6)": lambda m, x, c: x[0:1].expand(3, 6),
+    "x.as_strided((2, 2), (6, 1), 7)": lambda m, x, c: x.as_strided((2, 2), (6, 1), 7),
+    "x.view(torch.uint8)": lambda m, x, c: x.view(torch.uint8),  # a placeholder cannot take this one
+    "x.contiguous()": lambda m, x, c: x.contiguous(),
+    "torch.view_as_real(c)": lambda m, x, c: torch.view_as_real(c),
+    "c.imag": lambda m, x, c: c.imag,
+}
+
+
+@pytest.mark.parametrize("alias", sorted(_ALIASES))
+def test_an_alias_taken_while_parked_reads_the_restored_data(tmp_path: Path, alias: str):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    x = torch.arange(24.0).reshape(4, 6)
+    c = torch.randn(3, dtype=torch.complex64)
+    make = _ALIASES[alias]
+    expected = make(copy.deepcopy(model), x.clone(), c.clone())  # the same alias of copies of the data
+    with TensorTracker(allocator=None) as tracker:
+        with Courtesy(device="cpu", offload=tmp_path):
+            taken = make(model, x, c)
+            assert type(taken) is ParkedTensor and taken.untyped_storage().nbytes() <= 8  # a placeholder
+            with pytest.raises(ParkedTensorError):
+                taken.zero_()
+        assert tracker.memory_allocated("meta") == 0  # the meta shadows are no user allocation
+    source = make(model, x, c)  # the same alias of the restored tensors
+    assert type(taken) is torch.Tensor
+    assert taken.untyped_storage() is source.untyped_storage()
+    assert (taken.storage_offset(), taken.stride(), taken.shape) == (
+        source.storage_offset(),
+        source.stride(),
+        source.shape,
+    )
+    assert _values(taken) == _values(expected) and taken.dtype == expected.dtype
+
+
+def _values(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor``'s elements, in order."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).clone().numpy().tobytes()
+
+
+def test_a_copy_made_while_parked_is_a_copy_and_a_replaced_tensor_is_left_as_made(tmp_path: Path):
+    x = torch.arange(24.0).reshape(4, 6)
+    model = nn.Linear(6, 4)
+    with Courtesy(device="cpu", offload=tmp_path):
+        flat = x.T.reshape(-1)  # a copy on real data, although a placeholder could view it
+        model.weight.data = torch.ones(4, 6)
+        assert type(model.weight) is nn.Parameter
+    assert flat.untyped_storage() is not x.untyped_storage() and torch.isnan(flat).all()
+    assert x.tolist() == torch.arange(24.0).reshape(4, 6).tolist()
+    assert type(model.weight) is nn.Parameter and model.weight.eq(1).all()
+
+
+def test_an_alias_made_out_of_sight_holds_its_storage_back_until_deleted(tmp_path: Path):
+    x = torch.arange(24.0).reshape(4, 6)
+    kept = torch.full((50,), 3.0)
+    data = _raw(x)
+    gc.collect()
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    courtesy.yield_memory()
+    (workdir,) = tmp_path.iterdir()
+    path = _file_holding(workdir, data)
+    hidden = x.as_subclass(torch.Tensor)  # PyTorch makes it without asking __torch_function__
+    with pytest.raises(RuntimeError) as raised:
+        courtesy.restore()
+    assert type(raised.value) is RuntimeError and str(raised.value) == (
+        "Courtesy.restore() could not bring back 1 storage; its tensors stay parked (placeholders that "
+        "read NaN or 0) and everything else is restored. Fix the cause (put the file back, free memory) "
+        f"and call restore() again: {path} (96 B, tensors float32 [24], float32 [4, 6], float32 [4, 6]): "
+        "tensor float32 [4, 6] over its placeholder was made out of Courtesy's sight (not by a torch "
+        "function: as_subclass, C++), so where it should go is unknown; delete it and call restore() again"
+    )
+    assert kept.eq(3.0).all() and torch.isnan(x).all() and courtesy.yielded_bytes == 96
+    del hidden
+    assert courtesy.restore() == 96 and _raw(x) == data
+
+
+def test_inference_tensors_stay_inference_tensors_and_work_after_restore(tmp_path: Path):
+    with torch.inference_mode():
+        made = torch.arange(10.0)
+        view = made[2:5]
+    with Courtesy(device="cpu", offload=tmp_path):
+        assert made.is_inference() and type(made) is ParkedTensor
+        inside = made[1:3]
+    for tensor in (made, view, inside):
+        assert tensor.is_inference() and tensor.untyped_storage() is made.untyped_storage()
+    assert (made + 1).tolist() == [float(i + 1) for i in range(10)]
+    assert view.tolist() == [2.0, 3.0, 4.0] and inside.tolist() == [1.0, 2.0]
+    with torch.inference_mode():
+        made.add_(1)
+    assert view.tolist() == [3.0, 4.0, 5.0]
+
+
+def _every_dtype() -> dict[torch.dtype, torch.Tensor]:
+    """A 4-element tensor of every dtype ``torch`` names that ``torch.empty`` can make, its bytes
+    set to distinct values (quantized ones as they come)."""
+    made = {}
+    for dtype in sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # complex32 is experimental, quantized deprecated
+                tensor = torch.empty(4, dtype=dtype)
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue
+        if not tensor.is_quantized:
+            raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+            raw.copy_(torch.arange(raw.numel(), dtype=torch.uint8) * 7 + len(made))
+        made[dtype] = tensor
+    return made
+
+
+def _storage_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).tolist())
+
+
+def test_every_dtype_is_parked_and_restored_byte_for_byte_or_named_and_left(tmp_path: Path):
+    made = _every_dtype()
+    assert {torch.float4_e2m1fn_x2, torch.bits8, torch.uint1, torch.int7, torch.float8_e8m0fnu} <= set(made)
+    before = {dtype: _storage_bytes(tensor) for dtype, tensor in made.items()}
+    storages = {dtype: tensor.untyped_storage() for dtype, tensor in made.items()}
+    quantized = sorted((t for t in made.values() if t.is_quantized), key=lambda t: str(t.dtype))
+    assert [t.dtype for t in quantized] == [
+        torch.qint32,
+        torch.qint8,
+        torch.quint2x4,
+        torch.quint4x2,
+        torch.quint8,
+    ]
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    with pytest.warns(UserWarning) as warned:
+        courtesy.yield_memory()
+    messages = [str(w.message) for w in warned if "quantized" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith("Courtesy left ")
+    assert "(it cannot re-point a quantized tensor at a copy): tensors " in messages[0]
+    assert all(f"{str(t.dtype).removeprefix('torch.')} [4]" in messages[0] for t in quantized)
+    for dtype, tensor in made.items():
+        parked = tensor.untyped_storage() is not storages[dtype]
+        assert parked is not tensor.is_quantized and tensor.dtype is dtype and tensor.shape == (4,)
+    courtesy.restore()
+    for dtype, tensor in made.items():
+        assert tensor.dtype is dtype and _storage_bytes(tensor) == before[dtype], dtype
+        assert (tensor.untyped_storage() is storages[dtype]) is tensor.is_quantized
