@@ -12,10 +12,21 @@ import warnings
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["interrupts_held", "read_bytes", "reason", "remove_file", "warn_undeletable", "write_bytes"]
+from memlab._devices import parse_device
+
+__all__ = [
+    "interrupts_held",
+    "parse_offload",
+    "read_bytes",
+    "reason",
+    "remove_file",
+    "warn_undeletable",
+    "write_bytes",
+]
 
 
 @contextlib.contextmanager
@@ -99,3 +110,31 @@ def reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     return str(error) or type(error).__name__
+
+
+def parse_offload(offload: Any) -> str | Path:
+    """``"cpu"`` or the directory ``offload`` names; ``TypeError`` / ``ValueError`` saying what is valid."""
+    if isinstance(offload, torch.device):
+        offload = str(offload)
+    if not isinstance(offload, (str, os.PathLike)):
+        raise TypeError(
+            f"offload must be 'cpu' or the path of a directory; got {type(offload).__name__} {offload!r}"
+        )
+    if offload in ("cpu", "cpu:0"):
+        return "cpu"
+    path = Path(offload)
+    if path.is_dir():
+        return path
+    if isinstance(offload, str) and _is_device_string(offload):
+        raise ValueError(
+            f"offload={offload!r}: tensors can only be offloaded to 'cpu' or to files in a directory"
+        )
+    raise ValueError(f"offload={str(offload)!r} is neither 'cpu' nor an existing directory; create it first")
+
+
+def _is_device_string(text: str) -> bool:
+    try:
+        parse_device(text)
+    except ValueError:
+        return False
+    return True

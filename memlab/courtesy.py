@@ -20,8 +20,16 @@ import torch
 from memlab import _offload
 from memlab._devices import DeviceLike, cuda_device_exists, parse_device, require_usable
 from memlab._movable import describe, movable_storages
-from memlab._parked import ParkedTensorError, Parking, View, placeholder_storage_ids, repoint
-from memlab._tensors import live_tensors
+from memlab._parked import (
+    ParkedTensorError,
+    Parking,
+    View,
+    placeholder_storage_ids,
+    repoint,
+    tensors_on,
+    unplaced_message,
+)
+from memlab._parked_guard import park
 
 __all__ = ["Courtesy", "ParkedTensorError"]
 
@@ -108,7 +116,7 @@ class Courtesy:
         """``device``: any form :func:`memlab._devices.parse_device` reads, a device this machine
         has (``ValueError`` for ``meta`` and for a CUDA device that does not exist here)."""
         self.device = _yieldable(parse_device(device))
-        self.offload: str | Path = _parse_offload(offload)
+        self.offload: str | Path = _offload.parse_offload(offload)
         if self.offload == "cpu" and self.device.type == "cpu":
             raise ValueError(
                 "Courtesy(device='cpu', offload='cpu') would move host memory to host memory; "
@@ -187,7 +195,7 @@ class Courtesy:
         restored = 0
         failed: list[tuple[_MovedStorage, str, Exception]] = []  # what, its tensors (named), why
         undeletable: list[str] = []
-        found = _tensors_on({key for moved in self._moved for key in _storage_ids(moved)})
+        found = tensors_on({key for moved in self._moved for key in _storage_ids(moved)})
         for moved in list(self._moved):
             live = _live(moved, found)
             error = self._bring_back(moved, live)
@@ -213,7 +221,7 @@ class Courtesy:
         it (raised by nothing: its traceback, which would hold the tensors, is dropped)."""
         unplaced = [tensor for tensor, view in live if view is None]
         if unplaced:
-            return ParkedTensorError(_unplaced(unplaced))
+            return ParkedTensorError(unplaced_message(unplaced))
         if live and moved.restored is None:
             try:
                 moved.restored = self._read_back(moved)
@@ -308,7 +316,7 @@ class Courtesy:
         host_bytes = storage if storage.device.type == "cpu" else _bytes_of(storage).cpu().untyped_storage()
         moved.checksum = _offload.write_bytes(moved.path, host_bytes)
         for tensor, view in zip(tensors, views, strict=True):
-            moved.parking.park(tensor, view)
+            park(moved.parking, tensor, view)
         return moved.nbytes
 
     def _next_path(self) -> Path:
@@ -343,21 +351,6 @@ def _storage_ids(moved: _MovedStorage) -> set[int]:
     return set() if host is None else {id(host)}
 
 
-def _tensors_on(keys: set[int]) -> dict[int, list[torch.Tensor]]:
-    """Every live tensor (``gc``) on a storage whose ``id`` is in ``keys``, by that ``id``."""
-    found: dict[int, list[torch.Tensor]] = {}
-    if not keys:
-        return found
-    for tensor in live_tensors():
-        try:
-            key = id(tensor.untyped_storage())
-        except (RuntimeError, NotImplementedError):  # sparse, nested, fake: not ours
-            continue
-        if key in keys:
-            found.setdefault(key, []).append(tensor)
-    return found
-
-
 def _live(
     moved: _MovedStorage, found: dict[int, list[torch.Tensor]]
 ) -> list[tuple[torch.Tensor, View | None]]:
@@ -383,15 +376,6 @@ def _recorded(moved: _MovedStorage) -> list[tuple[torch.Tensor, View]]:
         if tensor is not None and id(tensor.untyped_storage()) in keys:
             live.append((tensor, view))
     return live
-
-
-def _unplaced(tensors: list[torch.Tensor]) -> str:
-    one = len(tensors) == 1
-    return (
-        f"{describe(tensors)} over its placeholder {'was' if one else 'were'} made out of Courtesy's "
-        f"sight (not by a torch function: as_subclass, C++), so where {'it' if one else 'they'} should "
-        f"go is unknown; delete {'it' if one else 'them'} and call restore() again"
-    )
 
 
 def _not_restored(failed: list[tuple[_MovedStorage, str, Exception]]) -> Exception:
@@ -433,30 +417,3 @@ def _valid_here() -> str:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = {0: "", 1: "'cuda', "}.get(count, f"'cuda:0' to 'cuda:{count - 1}', ")
     return f"{gpus}'cpu' with a directory as offload"
-
-
-def _parse_offload(offload: Any) -> str | Path:
-    if isinstance(offload, torch.device):
-        offload = str(offload)
-    if not isinstance(offload, (str, os.PathLike)):
-        raise TypeError(
-            f"offload must be 'cpu' or the path of a directory; got {type(offload).__name__} {offload!r}"
-        )
-    if offload in ("cpu", "cpu:0"):
-        return "cpu"
-    path = Path(offload)
-    if path.is_dir():
-        return path
-    if isinstance(offload, str) and _is_device_string(offload):
-        raise ValueError(
-            f"offload={offload!r}: tensors can only be offloaded to 'cpu' or to files in a directory"
-        )
-    raise ValueError(f"offload={str(offload)!r} is neither 'cpu' nor an existing directory; create it first")
-
-
-def _is_device_string(text: str) -> bool:
-    try:
-        parse_device(text)
-    except ValueError:
-        return False
-    return True

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from memlab import Courtesy, _offload
-from memlab._parked import ParkedTensor
+from memlab._parked_guard import ParkedTensor
 from memlab.courtesy import ParkedTensorError
 from memlab.sources.tracker import TensorTracker
 

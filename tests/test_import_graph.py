@@ -70,6 +70,7 @@ LAYERS = {
     "memlab.reporter": 4,
     "memlab.courtesy": 4,
     "memlab._parked": 4,  # Courtesy's placeholders (their storages are unseen by trackers)
+    "memlab._parked_guard": 4,
     # 5: estimates; beyond one process
     "memlab.estimate": 5,
     "memlab.distributed": 5,
