@@ -806,3 +806,52 @@ def test_every_dtype_is_parked_and_restored_byte_for_byte_or_named_and_left(tmp_
     for dtype, tensor in made.items():
         assert tensor.dtype is dtype and _storage_bytes(tensor) == before[dtype], dtype
         assert (tensor.untyped_storage() is storages[dtype]) is tensor.is_quantized
+
+
+def test_host_copies_carry_writes_shape_changes_and_views_back(tmp_path: Path):
+    weight = torch.arange(24.0).reshape(4, 6)
+    counts = torch.zeros(4, dtype=torch.int64)
+    flat = torch.ones(6)
+    storages = [t.untyped_storage() for t in (weight, counts, flat)]
+    gc.collect()
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    courtesy.offload = "cpu"  # the path a GPU takes (to host memory), here from host memory to host memory
+    courtesy.yield_memory()
+    assert all(t.untyped_storage() is not s for t, s in zip((weight, counts, flat), storages, strict=True))
+    assert list(tmp_path.iterdir()) == [] and type(weight) is torch.Tensor  # real tensors, no files
+    row, transposed = weight[1], weight.T
+    weight.add_(1)
+    counts.resize_(8).fill_(3)  # grows its host copy
+    flat.unsqueeze_(0)
+    courtesy.restore()
+    assert row.untyped_storage() is weight.untyped_storage() is transposed.untyped_storage()
+    assert row.tolist() == [7.0, 8.0, 9.0, 10.0, 11.0, 12.0] and transposed.stride() == (1, 6)
+    assert counts.tolist() == [3] * 8 and flat.shape == (1, 6) and flat.eq(1).all()
+    assert all(t.untyped_storage() is not s for t, s in zip((weight, counts, flat), storages, strict=True))
+
+
+@pytest.mark.cuda
+def test_cuda_views_of_host_copies_and_inference_tensors_come_back_to_the_gpu():
+    weight = torch.arange(24.0, device="cuda").reshape(4, 6)
+    with torch.inference_mode():
+        frozen = torch.arange(5.0, device="cuda")
+    with Courtesy(device="cuda", offload="cpu"):
+        row, detached = weight[1], weight.detach()
+        assert row.device.type == "cpu" and frozen.is_inference()
+        weight.add_(1)
+    for tensor in (weight, row, detached, frozen):
+        assert tensor.device.type == "cuda"
+    assert row.untyped_storage() is weight.untyped_storage() is detached.untyped_storage()
+    assert row.tolist() == [7.0, 8.0, 9.0, 10.0, 11.0, 12.0] and frozen.is_inference()
+    assert (frozen + 1).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.cuda
+def test_cuda_views_taken_of_placeholders_come_back_to_the_gpu(tmp_path: Path):
+    weight = torch.arange(24.0, device="cuda").reshape(4, 6)
+    with Courtesy(device="cuda", offload=tmp_path):
+        row, transposed, raw = weight[1], weight.T, weight.view(torch.uint8)
+        assert type(row) is ParkedTensor and torch.cuda.memory_allocated() == 0
+    assert row.device.type == "cuda" and row.untyped_storage() is weight.untyped_storage()
+    assert row.tolist() == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0] and transposed.stride() == (1, 6)
+    assert raw.shape == (4, 24) and raw.untyped_storage() is weight.untyped_storage()
