@@ -118,7 +118,8 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     except RuntimeError as error:
         parked = [t for t in _tensors((args, kwargs)) if parking_of(t) is not None]
         if parked and any(refusal in str(error) for refusal in _REFUSALS):
-            raise ParkedTensorError(_message(parked[0], name)) from error
+            needs_data = _REFUSALS[0] in str(error)  # else a write the checks above did not foresee
+            raise ParkedTensorError(_message(parked[0], name, needs_data)) from error
         if not parked:
             raise
         # A view a placeholder cannot take (stride 0: .view(torch.uint8), view_as_real) that the
@@ -139,6 +140,9 @@ def _written(func: Any, name: str, args: tuple, kwargs: dict) -> list[tuple[torc
         positions = (0,)
     elif name.endswith("_") and not name.endswith("__") and name not in _HARMLESS:
         positions = _aten_writes(name)
+        if not args:  # nn.init passes the tensor it fills by keyword
+            first = _tensors(kwargs)[:1]
+            return [(t, name) for t in first]
     found = [(t, name) for i in positions if i < len(args) for t in _tensors(args[i])]
     if kwargs.get("out") is not None:
         found += [(t, f"{name}(out=...)") for t in _tensors(kwargs["out"])]
@@ -168,12 +172,14 @@ def _schema_writes(schema: Any) -> tuple[int, ...]:
     )
 
 
-def _message(tensor: torch.Tensor, how: str) -> str:
+def _message(tensor: torch.Tensor, how: str, needs_data: bool = False) -> str:
     what = f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
-    return (
-        f"tensor {what} is parked by memlab.Courtesy until restore(): {how} would write to it or "
-        "change its shape, strides or storage in place; call restore() first"
+    does = (
+        "needs its data pointer, which a placeholder does not hand out"
+        if needs_data
+        else "would write to it or change its shape, strides or storage in place"
     )
+    return f"tensor {what} is parked by memlab.Courtesy until restore(): {how} {does}; call restore() first"
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -78,8 +78,9 @@ class Courtesy:
     ``resize_``, ``set_``, ``unsqueeze_``, ``t_``, ``as_strided_``), whatever its shape, raises
     :class:`ParkedTensorError` (a ``RuntimeError``) saying it is parked until ``restore()``, and
     changes nothing; views and aliases taken of it (``w[0]``, ``w.T``, ``w.detach()``, ``w.data``,
-    ``w.view(...)``) are parked with it and read the restored data afterwards. Anything that
-    needs the data pointer (``torch.save``, ``.numpy()``) raises PyTorch's ``RuntimeError``.
+    ``w.view(...)``) are parked with it and read the restored data afterwards. What needs the
+    data pointer raises too (``.numpy()``, ``data_ptr()``, ``copy.deepcopy``: the same error;
+    ``torch.save``: PyTorch's ``RuntimeError``).
     ``Courtesy(device="cpu", offload=directory)`` frees host memory and is the path testable
     without a GPU.
 

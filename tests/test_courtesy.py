@@ -855,3 +855,17 @@ def test_cuda_views_taken_of_placeholders_come_back_to_the_gpu(tmp_path: Path):
     assert row.device.type == "cuda" and row.untyped_storage() is weight.untyped_storage()
     assert row.tolist() == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0] and transposed.stride() == (1, 6)
     assert raw.shape == (4, 24) and raw.untyped_storage() is weight.untyped_storage()
+
+
+def test_what_needs_the_data_pointer_of_a_parked_tensor_says_it_is_parked(tmp_path: Path):
+    weight = torch.full((2, 3), 4.0)
+    with Courtesy(device="cpu", offload=tmp_path):
+        for how, op in {"numpy": weight.numpy, "data_ptr": weight.data_ptr}.items():
+            with pytest.raises(ParkedTensorError) as raised:
+                op()
+            assert str(raised.value) == (
+                f"tensor float32 [2, 3] is parked by memlab.Courtesy until restore(): {how} needs its data "
+                "pointer, which a placeholder does not hand out; call restore() first"
+            )
+        assert torch.isnan(weight).all() and type(weight) is ParkedTensor
+    assert weight.numpy().tolist() == [[4.0] * 3] * 2
