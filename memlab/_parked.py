@@ -105,7 +105,12 @@ class Parking:
         return {id(storage) for storage in self._storages.values()}
 
     def close(self) -> None:
-        """Stop recognising this parking's placeholders (its storage is back or rolled back)."""
+        """Stop recognising this parking's placeholders (its storage is back or rolled back), and
+        give their class back to tensors the user moved elsewhere (``torch.Tensor.set_(t, ...)``)."""
+        for view in list(self.views.values()):
+            tensor = view.tensor()
+            if tensor is not None:
+                self.release(tensor)
         for storage in self._storages.values():
             _by_storage.pop(id(storage), None)
         if self._meta is not None:

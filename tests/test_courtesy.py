@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from memlab import Courtesy, _offload
-from memlab._parked_guard import ParkedTensor
+from memlab._parked_guard import ParkedParameter, ParkedTensor
 from memlab.courtesy import ParkedTensorError
 from memlab.sources.tracker import TensorTracker
 
@@ -711,10 +711,13 @@ def test_a_copy_made_while_parked_is_a_copy_and_a_replaced_tensor_is_left_as_mad
     with Courtesy(device="cpu", offload=tmp_path):
         flat = x.T.reshape(-1)  # a copy on real data, although a placeholder could view it
         model.weight.data = torch.ones(4, 6)
-        assert type(model.weight) is nn.Parameter
+        assert type(model.weight) is nn.Parameter and type(model.bias) is ParkedParameter
+        with torch.no_grad():
+            torch.Tensor.set_(model.bias, torch.full((4,), 2.0))  # PyTorch asks no __torch_function__
     assert flat.untyped_storage() is not x.untyped_storage() and torch.isnan(flat).all()
     assert x.tolist() == torch.arange(24.0).reshape(4, 6).tolist()
     assert type(model.weight) is nn.Parameter and model.weight.eq(1).all()
+    assert type(model.bias) is nn.Parameter and model.bias.eq(2).all()
 
 
 def test_an_alias_made_out_of_sight_holds_its_storage_back_until_deleted(tmp_path: Path):
