@@ -73,7 +73,7 @@ def parking_of(tensor: torch.Tensor) -> Parking | None:
     """The parking whose placeholder ``tensor`` sits on, if any."""
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse or otherwise storage-less
+    except Exception:  # sparse, nested, fake or otherwise storage-less
         return None
     return _by_storage.get(id(storage))
 
@@ -173,7 +173,7 @@ def tensors_on(keys: set[int]) -> dict[int, list[torch.Tensor]]:
     for tensor in live_tensors():
         try:
             key = id(tensor.untyped_storage())
-        except (RuntimeError, NotImplementedError):  # sparse, nested, fake: not ours
+        except Exception:  # sparse, nested, fake, lazy: not ours
             continue
         if key in keys:
             found.setdefault(key, []).append(tensor)
