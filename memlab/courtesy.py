@@ -11,7 +11,6 @@ import os
 import tempfile
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from memlab import _offload
 from memlab._devices import DeviceLike, cuda_device_exists, parse_device, require_usable
 from memlab._movable import describe, movable_storages
+from memlab._moved import MovedStorage, live_tensors_of, recorded, storage_ids
 from memlab._parked import (
     ParkedTensorError,
     Parking,
@@ -32,25 +32,6 @@ from memlab._parked import (
 from memlab._parked_guard import park
 
 __all__ = ["Courtesy", "ParkedTensorError"]
-
-
-@dataclass(eq=False)
-class _MovedStorage:
-    """One storage taken off the device: its bytes (in ``host``, or in ``path`` with its
-    ``checksum`` and the ``parking`` of its placeholders) and the tensors the yield moved.
-
-    ``original`` holds the storage itself while the yield that moved it runs, so that a yield
-    failing part-way can put every tensor back where it was without reading anything back."""
-
-    device: torch.device
-    nbytes: int
-    views: list[View]
-    host: weakref.ref[torch.UntypedStorage] | None = None
-    path: Path | None = None
-    checksum: int | None = None
-    parking: Parking | None = None
-    restored: torch.UntypedStorage | None = field(default=None, repr=False)
-    original: torch.UntypedStorage | None = field(default=None, repr=False)
 
 
 class Courtesy:
@@ -124,7 +105,7 @@ class Courtesy:
                 "pass a directory as offload to free host memory"
             )
         self.skipped = 0
-        self._moved: list[_MovedStorage] = []
+        self._moved: list[MovedStorage] = []
         self._workdir: Path | None = None
         self._serial = 0
 
@@ -194,11 +175,11 @@ class Courtesy:
 
     def _restore(self) -> int:
         restored = 0
-        failed: list[tuple[_MovedStorage, str, Exception]] = []  # what, its tensors (named), why
+        failed: list[tuple[MovedStorage, str, Exception]] = []  # what, its tensors (named), why
         undeletable: list[str] = []
-        found = tensors_on({key for moved in self._moved for key in _storage_ids(moved)})
+        found = tensors_on({key for moved in self._moved for key in storage_ids(moved)})
         for moved in list(self._moved):
-            live = _live(moved, found)
+            live = live_tensors_of(moved, found)
             error = self._bring_back(moved, live)
             if error is not None:  # this storage stays parked; the others come back
                 failed.append((moved, describe([tensor for tensor, _ in live]), error))
@@ -216,7 +197,7 @@ class Courtesy:
         return restored
 
     def _bring_back(
-        self, moved: _MovedStorage, live: list[tuple[torch.Tensor, View | None]]
+        self, moved: MovedStorage, live: list[tuple[torch.Tensor, View | None]]
     ) -> Exception | None:
         """Re-point the ``live`` tensors of ``moved`` at a copy read back; the error that prevents
         it (raised by nothing: its traceback, which would hold the tensors, is dropped)."""
@@ -234,7 +215,7 @@ class Courtesy:
             repoint(tensor, moved.restored, view)
         return None
 
-    def _forget(self, moved: _MovedStorage, undeletable: list[str]) -> None:
+    def _forget(self, moved: MovedStorage, undeletable: list[str]) -> None:
         """Drop ``moved`` (back, or rolled back): its file, its placeholders, its record."""
         _offload.remove_file(moved.path, undeletable)
         if moved.parking is not None:
@@ -248,7 +229,7 @@ class Courtesy:
         undeletable: list[str] = []
         while len(self._moved) > first:
             moved = self._moved[-1]
-            live = _recorded(moved)
+            live = recorded(moved)
             if live:
                 storage = moved.original if moved.original is not None else self._read_back(moved)
                 for tensor, view in live:
@@ -302,7 +283,7 @@ class Courtesy:
         """Copy ``storage`` out, record it, re-point ``tensors``; return its bytes. It is recorded
         before anything is written, so that a failure at any point can be rolled back."""
         views = [View.of(tensor) for tensor in tensors]
-        moved = _MovedStorage(storage.device, storage.nbytes(), views, original=storage)
+        moved = MovedStorage(storage.device, storage.nbytes(), views, original=storage)
         if self.offload == "cpu":
             host = torch.empty(moved.nbytes, dtype=torch.uint8, device="cpu")
             host.copy_(_bytes_of(storage))
@@ -328,7 +309,7 @@ class Courtesy:
         return path
 
     # -- restore -------------------------------------------------------------------------------
-    def _read_back(self, moved: _MovedStorage) -> torch.UntypedStorage:
+    def _read_back(self, moved: MovedStorage) -> torch.UntypedStorage:
         """A new storage on the original device holding the moved bytes (all the bytes of the host
         copy, which a ``resize_`` meanwhile may have grown)."""
         if moved.path is None:
@@ -344,42 +325,7 @@ class Courtesy:
         )
 
 
-def _storage_ids(moved: _MovedStorage) -> set[int]:
-    """``id`` of the storages the tensors of ``moved`` sit on while it is away."""
-    if moved.parking is not None:
-        return moved.parking.storage_ids()
-    host = None if moved.host is None else moved.host()
-    return set() if host is None else {id(host)}
-
-
-def _live(
-    moved: _MovedStorage, found: dict[int, list[torch.Tensor]]
-) -> list[tuple[torch.Tensor, View | None]]:
-    """The live tensors on the storages of ``moved`` (those recorded, which ``gc`` may not see if
-    only C++ holds them, and those ``found`` there), each with where it goes back: a parked tensor
-    where it was (``None`` where that is unknown), one in host memory as it is now."""
-    tensors = {id(tensor): tensor for tensor, _ in _recorded(moved)}
-    for key in _storage_ids(moved):
-        for tensor in found.get(key, ()):
-            tensors.setdefault(id(tensor), tensor)
-    if moved.parking is None:
-        return [(tensor, View.of(tensor)) for tensor in tensors.values()]
-    return [(tensor, moved.parking.view_of(tensor)) for tensor in tensors.values()]
-
-
-def _recorded(moved: _MovedStorage) -> list[tuple[torch.Tensor, View]]:
-    """The tensors the yield moved that are alive and still where it put them."""
-    views = list(moved.parking.views.values()) if moved.parking is not None else moved.views
-    keys = _storage_ids(moved)
-    live = []
-    for view in views:
-        tensor = view.tensor()
-        if tensor is not None and id(tensor.untyped_storage()) in keys:
-            live.append((tensor, view))
-    return live
-
-
-def _not_restored(failed: list[tuple[_MovedStorage, str, Exception]]) -> Exception:
+def _not_restored(failed: list[tuple[MovedStorage, str, Exception]]) -> Exception:
     """The error :meth:`Courtesy.restore` raises for storages it could not bring back."""
     lines = []
     for moved, tensors, error in failed:
