@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ class View:
     stride: tuple[int, ...]
     dtype: torch.dtype
     cls: type | None = None  # set while the tensor is a ParkedTensor / ParkedParameter
+    hook: Any = None  # the handle of a hook that refuses backward into a parked .grad
 
     @classmethod
     def of(cls, tensor: torch.Tensor, like: torch.Tensor | None = None) -> View:
@@ -98,8 +100,12 @@ class Parking:
     def release(self, tensor: torch.Tensor) -> None:
         """Forget ``tensor`` and give it back the class it had (before it is re-pointed elsewhere)."""
         view = self.views.pop(id(tensor), None)
-        if view is not None and view.cls is not None and view.tensor() is tensor:
+        if view is None or view.tensor() is not tensor:
+            return
+        if view.cls is not None:
             tensor.__class__ = view.cls
+        if view.hook is not None:
+            view.hook.remove()
 
     def storage_ids(self) -> set[int]:
         return {id(storage) for storage in self._storages.values()}

@@ -15,6 +15,7 @@ whose ``__torch_function__`` runs for parked tensors only, never for others:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -27,9 +28,23 @@ __all__ = ["ParkedParameter", "ParkedTensor", "follow", "park"]
 
 
 def park(parking: Parking, tensor: torch.Tensor, view: View) -> None:
-    """Re-point ``tensor`` at a placeholder of ``view``'s shape and dtype, and follow it."""
+    """Re-point ``tensor`` at a placeholder of ``view``'s shape and dtype, and follow it. A leaf
+    that requires grad gets a hook that refuses a backward pass accumulating into a parked
+    ``.grad`` (autograd's C++ writes there without asking ``__torch_function__``)."""
     tensor.data = parking.placeholder(view.dtype, view.size, tensor.is_inference())
+    if tensor.requires_grad and tensor.is_leaf:
+        view.hook = tensor.register_hook(_refuse_accumulation(weakref.ref(tensor)))
     follow(parking, tensor, view)
+
+
+def _refuse_accumulation(leaf: weakref.ref[torch.Tensor]) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        tensor = leaf()
+        held = None if tensor is None else tensor.grad
+        if held is not None and parking_of(held) is not None:
+            raise ParkedTensorError(_message(held, "backward (accumulating into .grad)"))
+
+    return hook
 
 
 def follow(parking: Parking, tensor: torch.Tensor, view: View) -> None:

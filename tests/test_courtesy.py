@@ -872,3 +872,19 @@ def test_what_needs_the_data_pointer_of_a_parked_tensor_says_it_is_parked(tmp_pa
             )
         assert torch.isnan(weight).all() and type(weight) is ParkedTensor
     assert weight.numpy().tolist() == [[4.0] * 3] * 2
+
+
+def test_a_backward_pass_into_parked_gradients_raises_and_changes_nothing(tmp_path: Path):
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, torch.randn(16, 32))
+    before = _state(model, optimizer)
+    with Courtesy(device="cpu", offload=tmp_path):
+        loss = model(torch.randn(2, 32)).sum()
+        with pytest.raises(ParkedTensorError) as raised:
+            loss.backward()
+        assert str(raised.value) == _parked_message(model[2].bias.grad, "backward (accumulating into .grad)")
+        assert all(len(p._backward_hooks) == 1 for p in model.parameters())
+    after = _state(model, optimizer)
+    assert all(_bit_identical(after[name], before[name]) for name in before)
+    assert all(len(p._backward_hooks) == 0 for p in model.parameters())  # the guard's hooks are gone
+    _train_step(model, optimizer, torch.randn(16, 32))
