@@ -56,7 +56,8 @@ class Courtesy:
     A parked ``torch.Tensor`` or ``nn.Parameter`` is a ``ParkedTensor`` / ``ParkedParameter``
     (subclasses: ``isinstance`` holds) until restored: every op that would write to it or change
     its shape, strides or storage in place (``add_``, ``copy_``, ``t[i] = x``, ``out=``,
-    ``resize_``, ``set_``, ``unsqueeze_``, ``t_``, ``as_strided_``), whatever its shape, raises
+    ``resize_``, ``set_``, ``unsqueeze_``, ``t_``, ``as_strided_``, an optimizer step, a backward
+    pass accumulating into a parked ``.grad``), whatever its shape, raises
     :class:`ParkedTensorError` (a ``RuntimeError``) saying it is parked until ``restore()``, and
     changes nothing; views and aliases taken of it (``w[0]``, ``w.T``, ``w.detach()``, ``w.data``,
     ``w.view(...)``) are parked with it and read the restored data afterwards. What needs the
