@@ -57,12 +57,14 @@ def live_tensors_of(
 
 
 def recorded(moved: MovedStorage) -> list[tuple[torch.Tensor, View]]:
-    """The tensors the yield moved that are alive and still where it put them."""
-    views = list(moved.parking.views.values()) if moved.parking is not None else moved.views
+    """The tensors the yield moved (recorded before anything was written, so also one that an
+    interrupted yield re-pointed but had not yet followed) and the views followed since, that are
+    alive and still where the yield or the guard put them."""
+    views = [*moved.views, *(moved.parking.views.values() if moved.parking is not None else ())]
     keys = storage_ids(moved)
-    live = []
+    live: dict[int, tuple[torch.Tensor, View]] = {}
     for view in views:
         tensor = view.tensor()
-        if tensor is not None and id(tensor.untyped_storage()) in keys:
-            live.append((tensor, view))
-    return live
+        if tensor is not None and id(tensor) not in live and id(tensor.untyped_storage()) in keys:
+            live[id(tensor)] = (tensor, view)
+    return list(live.values())

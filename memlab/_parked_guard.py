@@ -32,9 +32,9 @@ def park(parking: Parking, tensor: torch.Tensor, view: View) -> None:
     that requires grad gets a hook that refuses a backward pass accumulating into a parked
     ``.grad`` (autograd's C++ writes there without asking ``__torch_function__``)."""
     tensor.data = parking.placeholder(view.dtype, view.size, tensor.is_inference())
+    follow(parking, tensor, view)
     if tensor.requires_grad and tensor.is_leaf:
         view.hook = tensor.register_hook(_refuse_accumulation(weakref.ref(tensor)))
-    follow(parking, tensor, view)
 
 
 def _refuse_accumulation(leaf: weakref.ref[torch.Tensor]) -> Any:
@@ -50,11 +50,11 @@ def _refuse_accumulation(leaf: weakref.ref[torch.Tensor]) -> Any:
 def follow(parking: Parking, tensor: torch.Tensor, view: View) -> None:
     """Remember where ``tensor`` (on a placeholder of ``parking``) sits; guard it if it is a plain
     ``torch.Tensor`` or ``nn.Parameter`` (other subclasses keep their own ``__torch_function__``)."""
+    parking.remember(tensor, view)  # first: a tensor whose class changed is always released
     guard = _GUARDS.get(type(tensor))
     if guard is not None:
         view.cls = type(tensor)
         tensor.__class__ = guard
-    parking.remember(tensor, view)
 
 
 def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
