@@ -888,3 +888,31 @@ def test_a_backward_pass_into_parked_gradients_raises_and_changes_nothing(tmp_pa
     assert all(_bit_identical(after[name], before[name]) for name in before)
     assert all(len(p._backward_hooks) == 0 for p in model.parameters())  # the guard's hooks are gone
     _train_step(model, optimizer, torch.randn(16, 32))
+
+
+def test_ctrl_c_between_parking_a_tensor_and_guarding_it_puts_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from memlab import _parked_guard
+
+    tensors = [torch.full((120 + i,), float(i)) for i in range(4)]
+    storages = [t.untyped_storage() for t in tensors]
+    calls: list[torch.Tensor] = []
+    real = _parked_guard.follow
+
+    def follow(parking: Any, tensor: torch.Tensor, view: Any) -> None:
+        calls.append(tensor)
+        if len(calls) == 3:  # the tensor sits on its placeholder, not yet remembered or guarded
+            raise KeyboardInterrupt
+        real(parking, tensor, view)
+
+    monkeypatch.setattr(_parked_guard, "follow", follow)
+    courtesy = Courtesy(device="cpu", offload=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        courtesy.yield_memory()
+    assert len(calls) == 3 and list(tmp_path.iterdir()) == [] and courtesy.yielded_bytes == 0
+    for tensor in calls:  # the third one above all: it was on its placeholder when Ctrl-C came
+        assert tensor.untyped_storage().data_ptr() and type(tensor) in (torch.Tensor, nn.Parameter)
+    for i, (tensor, storage) in enumerate(zip(tensors, storages, strict=True)):
+        assert tensor.untyped_storage() is storage and type(tensor) is torch.Tensor
+        assert tensor.eq(float(i)).all()
