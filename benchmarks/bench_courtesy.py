@@ -68,7 +68,7 @@ def main() -> None:
     print(f"{args.mib} MiB ({data.numel() * 4} B): park {park:.3f} s, restore {restore:.3f} s")
     print(
         f"crc32 of {args.mib} MiB: {crc:.3f} s = {crc / park:.1%} of a park, {crc / restore:.1%} of a restore"
-    )  # noqa: E501
+    )
 
     plain = torch.zeros(64, 64)
     loop = 2000
