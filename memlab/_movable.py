@@ -26,12 +26,13 @@ class MovableStorages:
     ``groups``: the storages that can move, keyed by ``id`` of the storage object, each with the
     tensors to re-point at its copy. ``left``: how many tensors holding storages on the device
     stay in place. ``shared``: one description (tensors, bytes, what shares it) per storage left
-    in place because its memory is shared.
+    in place because its memory is shared. ``quantized``: the quantized tensors left in place.
     """
 
     groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = field(default_factory=dict)
     left: int = 0
     shared: list[str] = field(default_factory=list)
+    quantized: list[torch.Tensor] = field(default_factory=list)
 
 
 def movable_storages(device: torch.device, skip: set[int]) -> MovableStorages:
@@ -48,6 +49,8 @@ def movable_storages(device: torch.device, skip: set[int]) -> MovableStorages:
                 tensors.append(tensor)
             else:
                 left[id(tensor)] = tensor
+                if tensor.is_quantized:
+                    found.quantized.append(tensor)
         shared = sharing(live.storage) if tensors else None
         if shared is not None:
             left.update((id(tensor), tensor) for tensor in tensors)

@@ -7,12 +7,10 @@ Parking is all or nothing; restoring brings back everything it can and names wha
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,36 +19,19 @@ import torch
 from memlab import _offload
 from memlab._devices import DeviceLike, cuda_device_exists, parse_device, require_usable
 from memlab._movable import describe, movable_storages
-from memlab.sources.constructors import unseen_storage
+from memlab._moved import MovedStorage, live_tensors_of, recorded, storage_ids
+from memlab._parked import (
+    ParkedTensorError,
+    Parking,
+    View,
+    placeholder_storage_ids,
+    repoint,
+    tensors_on,
+    unplaced_message,
+)
+from memlab._parked_guard import park
 
-__all__ = ["Courtesy"]
-
-
-@dataclass
-class _View:
-    """Where one tensor sat in a moved storage."""
-
-    tensor: weakref.ref[torch.Tensor]
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(eq=False)
-class _MovedStorage:
-    """One storage taken off the device: its bytes (in ``host`` or ``path``) and every view of it.
-
-    ``original`` holds the storage itself while the yield that moved it runs, so that a yield
-    failing part-way can put every tensor back where it was without reading anything back."""
-
-    device: torch.device
-    nbytes: int
-    views: list[_View]
-    host: weakref.ref[torch.UntypedStorage] | None = None
-    path: Path | None = None
-    restored: torch.UntypedStorage | None = field(default=None, repr=False)
-    original: torch.UntypedStorage | None = field(default=None, repr=False)
+__all__ = ["Courtesy", "ParkedTensorError"]
 
 
 class Courtesy:
@@ -65,26 +46,40 @@ class Courtesy:
     part-way (a full disk, an out-of-memory error, Ctrl-C), every tensor it moved is back on its
     original storage and the files it wrote are removed before the error is raised.
 
-    ``offload="cpu"`` keeps the bytes in host memory (the tensors live on the CPU meanwhile).
-    ``offload=<directory>`` writes each storage to a file there (its raw bytes: no pickle, and read
-    back straight into the new device buffer or a staging buffer) and leaves shape-only
-    placeholders: the tensors keep their ``shape`` and ``dtype`` but sit on the CPU over one shared
-    element per dtype (stride 0, NaN for floating types), so they free host memory too. Reading
-    them gives NaN or 0; every write to them raises PyTorch's ``RuntimeError``, whatever their
-    shape (0-d included), as does anything that needs their data pointer
-    (``torch.save``, ``.numpy()``). ``Courtesy(device="cpu", offload=directory)`` frees host
-    memory and is the path testable without a GPU.
+    ``offload="cpu"`` keeps the bytes in host memory: the tensors are ordinary CPU tensors
+    meanwhile, and what is done to them (writes, ``resize_``, ``unsqueeze_``, views taken of
+    them) is carried back to the device. ``offload=<directory>`` writes each storage to a file
+    there (its raw bytes: no pickle, read back straight into the new device buffer or a staging
+    buffer), with a CRC-32 of the bytes as written, and leaves shape-only placeholders: the
+    tensors keep their ``shape`` and ``dtype`` but sit on the CPU over one element (stride 0, NaN
+    for floating types, 0 otherwise), so they free host memory too. Reading them gives NaN or 0.
+    A parked ``torch.Tensor`` or ``nn.Parameter`` is a ``ParkedTensor`` / ``ParkedParameter``
+    (subclasses: ``isinstance`` holds) until restored: every op that would write to it or change
+    its shape, strides or storage in place (``add_``, ``copy_``, ``t[i] = x``, ``out=``,
+    ``resize_``, ``set_``, ``unsqueeze_``, ``t_``, ``as_strided_``, an optimizer step, a backward
+    pass accumulating into a parked ``.grad``), whatever its shape, raises
+    :class:`ParkedTensorError` (a ``RuntimeError``) saying it is parked until ``restore()``, and
+    changes nothing; views and aliases taken of it (``w[0]``, ``w.T``, ``w.detach()``, ``w.data``,
+    ``w.view(...)``) are parked with it and read the restored data afterwards. What needs the
+    data pointer raises too (``.numpy()``, ``data_ptr()``, ``copy.deepcopy``: the same error;
+    ``torch.save``: PyTorch's ``RuntimeError``).
+    ``Courtesy(device="cpu", offload=directory)`` frees host memory and is the path testable
+    without a GPU.
 
     ``restore()`` brings every moved storage back to the device it came from, bit-exact, and
-    re-points the tensors at it. It does nothing without a yield. A storage it cannot bring back
-    (its file deleted or truncated meanwhile, an out-of-memory error) does not hold back the
-    others: it restores all it can, then raises an error that names what is still parked and why;
-    calling it again once the cause is fixed brings back the rest, and never loses more. Failing
-    to delete a file it has read back (a read-only directory) is a warning. Ctrl-C in the main
-    thread waits until a restore (or the undoing of a failed yield) is complete. A second
+    re-points the tensors at it, with the views taken meanwhile (it finds them through ``gc``).
+    It does nothing without a yield. A storage it cannot bring back (its file deleted,
+    truncated or changed meanwhile, an out-of-memory error, a tensor made over its placeholder
+    out of its sight, e.g. by ``as_subclass``, whose place it cannot work out) does not hold back
+    the others: it restores all it can, then raises an error that names what is still parked and
+    why; calling it again once the cause is fixed brings back the rest, and never loses more.
+    Failing to delete a file it has read back (a read-only directory) is a warning. Ctrl-C in the
+    main thread waits until a restore (or the undoing of a failed yield) is complete. A second
     ``yield_memory()`` before ``restore()`` only moves tensors that appeared on the device since.
     Tensors dropped by their users meanwhile are not restored; a tensor whose storage the user
-    replaced meanwhile is left as the user made it.
+    replaced meanwhile (``t.data = x``) is left as the user made it. Inference tensors (made
+    under ``torch.inference_mode()``) stay inference tensors. Every dtype moves, sub-byte and
+    ``float8`` / ``float4`` ones included, except quantized ones (see below).
 
     What it does not move, and counts in ``skipped`` (tensors holding storages on the device that
     the last yield left in place): memory shared with others, which moving would unshare and may
@@ -94,25 +89,25 @@ class Courtesy:
     held by C++ rather than by tensors ``gc`` sees (autograd graphs still alive and their saved
     tensors, cuDNN/cuBLAS workspaces, C++ extensions, the CUDA context): a storage that such a
     hidden tensor shares with visible ones is left in place, since moving it would free nothing
-    and split the views; so are sparse, nested and quantized tensors and wrapper subclasses (a
-    subclass's inner tensors move if ``gc`` sees them). Use it between steps, not while an
-    autograd graph is alive, and not while other threads use the tensors.
+    and split the views; so are sparse, nested and quantized tensors (a warning names the
+    quantized ones) and wrapper subclasses (a subclass's inner tensors move if ``gc`` sees them).
+    Use it between steps, not while an autograd graph is alive, and not while other threads use
+    the tensors.
     """
 
     def __init__(self, device: DeviceLike = "cuda", offload: str | os.PathLike[str] = "cpu") -> None:
         """``device``: any form :func:`memlab._devices.parse_device` reads, a device this machine
         has (``ValueError`` for ``meta`` and for a CUDA device that does not exist here)."""
         self.device = _yieldable(parse_device(device))
-        self.offload: str | Path = _parse_offload(offload)
+        self.offload: str | Path = _offload.parse_offload(offload)
         if self.offload == "cpu" and self.device.type == "cpu":
             raise ValueError(
                 "Courtesy(device='cpu', offload='cpu') would move host memory to host memory; "
                 "pass a directory as offload to free host memory"
             )
         self.skipped = 0
-        self._moved: list[_MovedStorage] = []
+        self._moved: list[MovedStorage] = []
         self._workdir: Path | None = None
-        self._placeholders: dict[torch.dtype, torch.UntypedStorage] = {}
         self._serial = 0
 
     def __repr__(self) -> str:
@@ -165,58 +160,85 @@ class Courtesy:
     def restore(self) -> int:
         """Bring every moved storage back to its device, bit-exact; return the bytes restored.
 
-        Each storage is copied back once and all its live tensors are re-pointed at it with their
-        original offsets, sizes and strides. Without a preceding yield it does nothing and returns
-        0. Storages that cannot be read back stay recorded (their tensors stay placeholders) while
-        every other one is restored; then it raises ``OSError`` (a file missing, truncated or
-        unreadable) or ``RuntimeError`` (anything else, e.g. out of memory) naming each of them,
-        its tensors and the cause. Calling it again resumes. A file that cannot be deleted after it
-        was read back is a warning naming it. Ctrl-C in the main thread is held until it returns.
+        Each storage is copied back once and every live tensor on it (those the yield moved and
+        the views taken of them since) is re-pointed at it: a parked tensor and its views at their
+        original offsets, sizes and strides, a tensor parked in host memory as it is now. Without
+        a preceding yield it does nothing and returns 0. Storages that cannot be brought back stay
+        recorded (their tensors stay placeholders) while every other one is restored; then it
+        raises ``OSError`` (a file missing, truncated, changed or unreadable) or ``RuntimeError``
+        (anything else, e.g. out of memory, or a tensor over a placeholder whose place it cannot
+        work out) naming each of them, its tensors and the cause. Calling it again resumes. A file
+        that cannot be deleted after it was read back is a warning naming it. Ctrl-C in the main
+        thread is held until it returns.
         """
         with _offload.interrupts_held():
             return self._restore()
 
     def _restore(self) -> int:
         restored = 0
-        failed: list[tuple[_MovedStorage, Exception]] = []
+        failed: list[tuple[MovedStorage, str, Exception]] = []  # what, its tensors (named), why
         undeletable: list[str] = []
+        found = tensors_on({key for moved in self._moved for key in storage_ids(moved)})
         for moved in list(self._moved):
-            live = self._live_views(moved)
-            if live and moved.restored is None:
-                try:
-                    moved.restored = self._read_back(moved)
-                except Exception as error:  # this storage stays parked; the others come back
-                    failed.append((moved, error))
-                    continue
-            for tensor, view in live:
-                tensor.data = _view_of(moved.restored, view)
-            if live:
+            live = live_tensors_of(moved, found)
+            error = self._bring_back(moved, live)
+            if error is not None:  # this storage stays parked; the others come back
+                failed.append((moved, describe([tensor for tensor, _ in live]), error))
+            elif live:
                 restored += moved.nbytes
-            del live
-            _offload.remove_file(moved.path, undeletable)
-            self._moved.remove(moved)
+            del live  # no user tensor may stay referenced by this frame (an error's traceback)
+            if error is None:
+                self._forget(moved, undeletable)
+        del found
         if not self._moved:
             self._remove_workdir(undeletable)
         _offload.warn_undeletable(undeletable)
         if failed:
-            raise _not_restored(failed, self._live_views)
+            raise _not_restored(failed)
         return restored
+
+    def _bring_back(
+        self, moved: MovedStorage, live: list[tuple[torch.Tensor, View | None]]
+    ) -> Exception | None:
+        """Re-point the ``live`` tensors of ``moved`` at a copy read back; the error that prevents
+        it (raised by nothing: its traceback, which would hold the tensors, is dropped)."""
+        unplaced = [tensor for tensor, view in live if view is None]
+        if unplaced:
+            return ParkedTensorError(unplaced_message(unplaced))
+        if live and moved.restored is None:
+            try:
+                moved.restored = self._read_back(moved)
+            except Exception as error:
+                return error.with_traceback(None)
+        for tensor, view in live:
+            if moved.parking is not None:
+                moved.parking.release(tensor)
+            repoint(tensor, moved.restored, view)
+        return None
+
+    def _forget(self, moved: MovedStorage, undeletable: list[str]) -> None:
+        """Drop ``moved`` (back, or rolled back): its file, its placeholders, its record."""
+        _offload.remove_file(moved.path, undeletable)
+        if moved.parking is not None:
+            moved.parking.close()
+        self._moved.remove(moved)
 
     def _roll_back(self, first: int, had_workdir: bool) -> None:
         """Undo a yield that failed: the tensors moved since ``self._moved[first]`` go back to their
         original storages (or, where one was already released, to a copy read back), and the files
-        written for them are removed."""
+        written for them are removed. No user code ran meanwhile: the tensors are those recorded."""
         undeletable: list[str] = []
         while len(self._moved) > first:
             moved = self._moved[-1]
-            live = self._live_views(moved)
+            live = recorded(moved)
             if live:
                 storage = moved.original if moved.original is not None else self._read_back(moved)
                 for tensor, view in live:
-                    tensor.data = _view_of(storage, view)
+                    if moved.parking is not None:
+                        moved.parking.release(tensor)
+                    repoint(tensor, storage, view)
             del live
-            _offload.remove_file(moved.path, undeletable)
-            self._moved.pop()
+            self._forget(moved, undeletable)
         if not had_workdir:
             self._remove_workdir(undeletable)
         _offload.warn_undeletable(undeletable)
@@ -237,8 +259,9 @@ class Courtesy:
     def _device_storages(self) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
         """Storages on the device that can move (:mod:`memlab._movable`), keyed by ``id`` of the
         storage object, with the tensors to re-point at their copy; :attr:`skipped` counts the
-        tensors left in place, and a warning names those whose memory is shared."""
-        found = movable_storages(self.device, {id(storage) for storage in self._placeholders.values()})
+        tensors left in place, and a warning names those whose memory is shared, another the
+        quantized ones."""
+        found = movable_storages(self.device, placeholder_storage_ids())
         self.skipped = found.left
         if found.shared:
             count = len(found.shared)
@@ -248,30 +271,35 @@ class Courtesy:
                 + "; ".join(found.shared),
                 stacklevel=3,
             )
+        if found.quantized:
+            count = len(found.quantized)
+            warnings.warn(
+                f"Courtesy left {count} quantized tensor{'s' * (count != 1)} on {self.device} in place "
+                f"(it cannot re-point a quantized tensor at a copy): {describe(found.quantized)}",
+                stacklevel=3,
+            )
         return found.groups
 
     def _move_out(self, storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> int:
         """Copy ``storage`` out, record it, re-point ``tensors``; return its bytes. It is recorded
         before anything is written, so that a failure at any point can be rolled back."""
-        views = [
-            _View(weakref.ref(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
-            for t in tensors
-        ]
-        moved = _MovedStorage(storage.device, storage.nbytes(), views, original=storage)
+        views = [View.of(tensor) for tensor in tensors]
+        moved = MovedStorage(storage.device, storage.nbytes(), views, original=storage)
         if self.offload == "cpu":
             host = torch.empty(moved.nbytes, dtype=torch.uint8, device="cpu")
             host.copy_(_bytes_of(storage))
             moved.host = weakref.ref(host.untyped_storage())
             self._moved.append(moved)
             for tensor, view in zip(tensors, views, strict=True):
-                tensor.data = _view_of(host.untyped_storage(), view)
+                repoint(tensor, host.untyped_storage(), view)
             return moved.nbytes
         moved.path = self._next_path()
+        moved.parking = Parking(moved.nbytes)
         self._moved.append(moved)
         host_bytes = storage if storage.device.type == "cpu" else _bytes_of(storage).cpu().untyped_storage()
-        _offload.write_bytes(moved.path, host_bytes)
+        moved.checksum = _offload.write_bytes(moved.path, host_bytes)
         for tensor, view in zip(tensors, views, strict=True):
-            tensor.data = self._placeholder(view)
+            park(moved.parking, tensor, view)
         return moved.nbytes
 
     def _next_path(self) -> Path:
@@ -281,61 +309,28 @@ class Courtesy:
         self._serial += 1
         return path
 
-    def _placeholder(self, view: _View) -> torch.Tensor:
-        """A CPU tensor with the view's shape and dtype over one shared, read-only element (stride 0)."""
-        storage = self._placeholders.get(view.dtype)
-        if storage is None:
-            # Built outside the dispatcher and unseen by the storage constructor's observers: a
-            # tracker sees no allocation for the placeholders.
-            storage = unseen_storage(view.dtype.itemsize)
-            element = torch.empty(0, dtype=view.dtype).set_(storage, 0, (1,), (1,))
-            element.fill_(math.nan if view.dtype.is_floating_point or view.dtype.is_complex else 0)
-            # Every kernel that writes asks the storage for a mutable data pointer; this makes that
-            # raise. Without it a write to a 0-d or one-element placeholder (or fill_ / zero_ on
-            # any) would land in the element every placeholder of this dtype reads, then be lost.
-            torch._C._set_throw_on_mutable_data_ptr(element)
-            self._placeholders[view.dtype] = storage
-        return torch.empty(0, dtype=view.dtype).set_(storage, 0, view.size, (0,) * len(view.size))
-
     # -- restore -------------------------------------------------------------------------------
-    def _live_views(self, moved: _MovedStorage) -> list[tuple[torch.Tensor, _View]]:
-        """Tensors of ``moved`` that are alive and still sit where the yield (or a restore) put them."""
-        ours = set()
-        host = None if moved.host is None else moved.host()
-        for storage in (host, moved.restored, *self._placeholders.values()):
-            if storage is not None:
-                ours.add(id(storage))
-        live = []
-        for view in moved.views:
-            tensor = view.tensor()
-            if tensor is not None and id(tensor.untyped_storage()) in ours:
-                live.append((tensor, view))
-        return live
-
-    def _read_back(self, moved: _MovedStorage) -> torch.UntypedStorage:
-        """A new storage on the original device holding the moved bytes."""
+    def _read_back(self, moved: MovedStorage) -> torch.UntypedStorage:
+        """A new storage on the original device holding the moved bytes (all the bytes of the host
+        copy, which a ``resize_`` meanwhile may have grown)."""
         if moved.path is None:
             host = None if moved.host is None else moved.host()
             if host is None:
                 raise RuntimeError("the host copy of a moved storage is gone although tensors still use it")
-            buffer = torch.empty(moved.nbytes, dtype=torch.uint8, device=moved.device)
+            buffer = torch.empty(host.nbytes(), dtype=torch.uint8, device=moved.device)
             buffer.copy_(_bytes_of(host))
             return buffer.untyped_storage()
-        staging = _offload.read_bytes(moved.path, moved.nbytes)
+        staging = _offload.read_bytes(moved.path, moved.nbytes, moved.checksum)
         return (
             staging if moved.device.type == "cpu" else _bytes_of(staging).to(moved.device).untyped_storage()
         )
 
 
-def _not_restored(
-    failed: list[tuple[_MovedStorage, Exception]],
-    live_views: Any,
-) -> Exception:
+def _not_restored(failed: list[tuple[MovedStorage, str, Exception]]) -> Exception:
     """The error :meth:`Courtesy.restore` raises for storages it could not bring back."""
     lines = []
-    for moved, error in failed:
+    for moved, tensors, error in failed:
         where = str(moved.path) if moved.path is not None else "host copy"
-        tensors = describe([tensor for tensor, _ in live_views(moved)])
         lines.append(f"{where} ({moved.nbytes} B, {tensors}): {_offload.reason(error)}")
     count = len(failed)
     text = (
@@ -344,20 +339,14 @@ def _not_restored(
         "and everything else is restored. Fix the cause (put the file back, free memory) and call "
         "restore() again: " + "; ".join(lines)
     )
-    kind = OSError if all(isinstance(error, OSError) for _, error in failed) else RuntimeError
-    error = kind(text)
-    error.__cause__ = failed[0][1]
-    return error
+    kind = OSError if all(isinstance(error, OSError) for _, _, error in failed) else RuntimeError
+    raised = kind(text)
+    raised.__cause__ = failed[0][2]
+    return raised
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _view_of(storage: torch.UntypedStorage, view: _View) -> torch.Tensor:
-    return torch.empty(0, dtype=view.dtype, device=storage.device).set_(
-        storage, view.offset, view.size, view.stride
-    )
 
 
 def _yieldable(device: torch.device) -> torch.device:
@@ -376,30 +365,3 @@ def _valid_here() -> str:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = {0: "", 1: "'cuda', "}.get(count, f"'cuda:0' to 'cuda:{count - 1}', ")
     return f"{gpus}'cpu' with a directory as offload"
-
-
-def _parse_offload(offload: Any) -> str | Path:
-    if isinstance(offload, torch.device):
-        offload = str(offload)
-    if not isinstance(offload, (str, os.PathLike)):
-        raise TypeError(
-            f"offload must be 'cpu' or the path of a directory; got {type(offload).__name__} {offload!r}"
-        )
-    if offload in ("cpu", "cpu:0"):
-        return "cpu"
-    path = Path(offload)
-    if path.is_dir():
-        return path
-    if isinstance(offload, str) and _is_device_string(offload):
-        raise ValueError(
-            f"offload={offload!r}: tensors can only be offloaded to 'cpu' or to files in a directory"
-        )
-    raise ValueError(f"offload={str(offload)!r} is neither 'cpu' nor an existing directory; create it first")
-
-
-def _is_device_string(text: str) -> bool:
-    try:
-        parse_device(text)
-    except ValueError:
-        return False
-    return True

@@ -1027,3 +1027,70 @@ class TestClass:
         "@pytest.mark.limit_tensor_memory('32 MiB', metric='reserved') and "
         "@pytest.mark.limit_tensor_memory('64 MiB'); keep one"
     )
+
+
+# -- issue 25: courtesy ----
+
+
+_PARKED_WRITES = {
+    "add_": lambda t: t.add_(1),
+    "copy_": lambda t: t.copy_(torch.zeros(4, 6)),
+    "resize_": lambda t: t.resize_(1000),
+    "set_": lambda t: t.set_(torch.zeros(3).untyped_storage()),
+    "unsqueeze_": lambda t: t.unsqueeze_(0),
+    "t_": lambda t: t.t_(),
+    "as_strided_": lambda t: t.as_strided_((2,), (1,)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_PARKED_WRITES))
+def test_a_write_to_a_parked_tensor_is_one_error_saying_it_is_parked(op: str, tmp_path: Path) -> None:
+    from memlab.courtesy import ParkedTensorError
+
+    weight = torch.nn.Parameter(torch.arange(24.0).reshape(4, 6))
+    with memlab.Courtesy(device="cpu", offload=tmp_path):
+        with pytest.raises(ParkedTensorError) as raised:
+            _PARKED_WRITES[op](weight)
+        assert str(raised.value) == (
+            f"tensor float32 [4, 6] is parked by memlab.Courtesy until restore(): {op} would write to it or "
+            "change its shape, strides or storage in place; call restore() first"
+        )
+        assert weight.shape == (4, 6) and weight.stride() == (0, 0)
+    assert type(weight) is torch.nn.Parameter and weight.stride() == (6, 1)
+    assert weight.tolist() == torch.arange(24.0).reshape(4, 6).tolist()
+
+
+def test_a_parked_file_changed_in_place_is_an_oserror_naming_it(tmp_path: Path) -> None:
+    import zlib
+
+    data = torch.arange(256, dtype=torch.float64)  # 2048 B
+    courtesy = memlab.Courtesy(device="cpu", offload=tmp_path)
+    courtesy.yield_memory()
+    (workdir,) = tmp_path.iterdir()
+    raw = torch.arange(256, dtype=torch.float64).view(torch.uint8).numpy().tobytes()
+    (path,) = [p for p in workdir.iterdir() if p.read_bytes() == raw]
+    changed = raw[:1024] + b"\xff\xff\xff\xff" + raw[1028:]
+    path.write_bytes(changed)
+    with pytest.raises(OSError) as raised:
+        courtesy.restore()
+    assert str(raised.value).endswith(
+        f"{path} (2048 B, tensor float64 [256]): its bytes changed after they were written (CRC-32 "
+        f"{zlib.crc32(changed):#010x}, {zlib.crc32(raw):#010x} was written): it was overwritten or corrupted"
+    )
+    assert torch.isnan(data).all()
+    path.write_bytes(raw)
+    assert courtesy.restore() == 2048 and data.tolist() == [float(i) for i in range(256)]
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_quantized_tensor_is_named_in_a_warning_and_left_in_place(tmp_path: Path) -> None:
+    quantized = torch.quantize_per_tensor(torch.arange(6.0), 0.5, 0, torch.quint8)
+    storage, before = quantized.untyped_storage(), quantized.int_repr().tolist()
+    courtesy = memlab.Courtesy(device="cpu", offload=tmp_path)
+    with pytest.warns(
+        UserWarning, match=r"\(it cannot re-point a quantized tensor at a copy\): tensors? .*quint8 \[6\]"
+    ):
+        courtesy.yield_memory()
+    assert quantized.untyped_storage() is storage and quantized.int_repr().tolist() == before
+    courtesy.restore()
+    assert quantized.dequantize().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

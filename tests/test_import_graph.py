@@ -69,6 +69,9 @@ LAYERS = {
     "memlab.line_profiler": 4,
     "memlab.reporter": 4,
     "memlab.courtesy": 4,
+    "memlab._parked": 4,  # Courtesy's placeholders (their storages are unseen by trackers)
+    "memlab._parked_guard": 4,
+    "memlab._moved": 4,
     # 5: estimates; beyond one process
     "memlab.estimate": 5,
     "memlab.distributed": 5,
