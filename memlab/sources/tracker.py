@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import (
 
 from memlab._autocast import DisabledCudaRegions, unwatch, watch
 from memlab._gpus import GPU, GpuLike, resolve_gpu
+from memlab._offload import interrupts_held
 from memlab._units import parse_size
 from memlab.history.recorder import make_history
 from memlab.sources.adoption import TrackerAdoption
@@ -79,7 +80,11 @@ def _exit_left_behind() -> None:
 
 @functools.cache
 def _warm_up() -> None:
-    with _Warmup():
+    """Import what the first op under a dispatch mode imports (``torch._dynamo``: hundreds of
+    modules, seconds) with Ctrl-C held back until it is done (:func:`memlab._offload.interrupts_held`,
+    main thread only): a ``KeyboardInterrupt`` half-way would leave submodules in ``sys.modules``
+    whose package is gone. The interrupt is raised after the import, before the tracker is entered."""
+    with interrupts_held(), _Warmup():
         torch.empty(0, device="meta")
 
 
