@@ -38,6 +38,7 @@ from memlab._function_lookup import FunctionWatch
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
+from memlab.commands._signals import os_exit_reported, signals_raised
 from memlab.history.recording import collect_unwritten, snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
 from memlab.oom import explain_oom
@@ -212,18 +213,72 @@ def profile_program(
         raise CommandError(str(error)) from None
     unwritten: list[str] = []
     context, tracker = _program_tracker(profiler, snapshot, plot, unwritten, by_module)
-    try:
-        with watch.watching_imports(), context, explain_oom():
-            if functions:
-                with profiler:
-                    status = program.run()
-            else:
-                status = program.run()
-    finally:
+
+    def shown_functions() -> list[Any]:
         profiler.target_gpu = previous_target
         shown = watch.functions() + [f for f in profiler.at_exit if f not in decorated]
         for function in shown:
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
+        return shown
+
+    def report(status: int) -> int:
+        shown = shown_functions()
+        return _report(
+            profiler,
+            tracker,
+            watch,
+            shown,
+            status,
+            columns,
+            output,
+            merged_output,
+            ranks,
+            unwritten,
+            gather,
+            by_module,
+        )
+
+    stack = contextlib.ExitStack()
+
+    def report_before_os_exit(code: int) -> None:
+        stack.close()  # exits the tracker: its snapshot and plot are written
+        try:
+            report(code)
+        except CommandError as error:
+            print(f"memlab run: error: {error}", file=sys.stderr)
+
+    try:
+        with stack:
+            stack.enter_context(watch.watching_imports())
+            stack.enter_context(context)
+            stack.enter_context(explain_oom())
+            if functions:
+                stack.enter_context(profiler)
+            with os_exit_reported(report_before_os_exit), signals_raised():
+                status = program.run()
+    except BaseException:
+        shown_functions()
+        raise
+    return report(status)
+
+
+def _report(
+    profiler: LineProfiler,
+    tracker: TensorTracker,
+    watch: FunctionWatch,
+    shown: list[Any],
+    status: int,
+    columns: Sequence[str],
+    output: str | None,
+    merged_output: str | None,
+    ranks: Any,
+    unwritten: list[str],
+    gather: bool,
+    by_module: bool,
+) -> int:
+    """Print and write what :func:`profile_program` reports once the program ended with
+    ``status`` (the tables of ``shown``, files, what is missing), and return the status
+    ``memlab run`` exits with."""
     if shown:
         if ranks is not None:
             print(f"memlab run: rank {ranks.rank} of {ranks.world_size}", flush=True)
