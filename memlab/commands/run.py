@@ -41,6 +41,7 @@ from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
 from memlab.commands._signals import os_exit_reported, signals_raised
 from memlab.history.recording import collect_unwritten, snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
+from memlab.line_profiler.workers import worker_calls_lines
 from memlab.oom import explain_oom
 from memlab.sources.select import check_target, measured_device
 from memlab.sources.tracker import TensorTracker
@@ -285,6 +286,9 @@ def _report(
         unwritten += _print_and_write(profiler, shown, columns, output)
     if by_module:
         sys.stdout.write(("\n" if shown else "") + tracker.module_table().text())
+        sys.stdout.flush()
+    for line in worker_calls_lines():  # @memlab.profile calls in DataLoader workers: not collected
+        sys.stdout.write(f"\n{line}\n")
         sys.stdout.flush()
     if gather:
         merged = gather_ranks(profiler, shown, status)
