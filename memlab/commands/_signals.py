@@ -13,6 +13,7 @@ program's ``finally`` blocks run, the table is printed, and the exit status is `
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import signal
 import sys
@@ -154,11 +155,16 @@ def os_exit_reported(report: Callable[[int], None]) -> Iterator[None]:
     end), then the real ``os._exit(n)``. If the report fails, or ``os._exit`` is called in another
     thread (the main thread is still running the program: its trackers cannot be exited from
     here), one line on stderr says why there is no table. A forked child (``multiprocessing``
-    ends its workers with ``os._exit``) exits at once, as before."""
+    ends its workers with ``os._exit``) exits at once, as before. A code that is not an integer
+    raises the ``TypeError`` the real ``os._exit`` raises, before any report."""
     real = os._exit
     pid = os.getpid()
 
     def reported_exit(code: int) -> NoReturn:
+        try:
+            operator.index(code)
+        except TypeError:
+            real(code)  # raises Python's own TypeError in the program, which goes on: no report yet
         if os.getpid() == pid:
             if threading.current_thread() is not threading.main_thread():
                 print(

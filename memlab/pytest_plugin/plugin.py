@@ -189,10 +189,13 @@ class MeasuringPlugin:
         if rows is None:
             self.lost.append(f"{worker}: {error}" if error else f"{worker}: it sent no measurements")
             return
-        self.peaks += [
-            (str(nodeid), str(device), int(allocated), int(reserved))
-            for nodeid, device, allocated, reserved in rows
-        ]
+        try:
+            self.peaks += [
+                (str(nodeid), str(device), int(allocated), int(reserved))
+                for nodeid, device, allocated, reserved in rows
+            ]
+        except (TypeError, ValueError):  # another memlab's format: say so rather than fail the run
+            self.lost.append(f"{worker}: its measurements are not (test, device, allocated, reserved) rows")
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.table or _WORKER_PEAKS in getattr(terminalreporter.config, "workeroutput", {}):
