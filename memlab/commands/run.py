@@ -174,6 +174,13 @@ def profile_program(
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
 
+    Ends that do not return (:mod:`memlab.commands._signals`): SIGTERM and SIGHUP (a cluster's
+    time limit or preemption) stop the program as Ctrl-C does, then everything above is printed
+    and written, and the status is 143 / 129 (a handler the program installs itself runs
+    instead); ``os._exit(n)`` in the program's main thread first writes it all, then exits with
+    ``n``. Calls of ``@memlab.profile`` functions in DataLoader workers are one line after the
+    tables (:mod:`memlab.line_profiler.workers`).
+
     Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) each rank writes its own files, the rank
     in their names (``out.rank1.json``), and measures ``cuda:LOCAL_RANK`` by default where there
     are GPUs; with ``gather``, rank 0 also prints the table merged across ranks
