@@ -48,7 +48,6 @@ class Terminated(BaseException):
 
 
 _MEMLAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_RETRY_S = 1.0  # when a raised Terminated was swallowed (a weakref callback, a bare except), again
 _DEFER_S = 0.01  # when the signal came in memlab's own code: raised in the program's, a moment later
 
 
@@ -102,10 +101,10 @@ def signals_raised(signums: tuple[int, ...] = TERMINATING_SIGNALS) -> Iterator[N
     the main thread (where Python cannot install handlers) the block runs as is.
 
     The exception is raised in the program's code, not in memlab's: a signal that arrives while
-    memlab's own code runs is sent again 10 ms later. Python drops an exception raised in a
-    weakref callback or a ``__del__`` method, and a program may swallow it (``except
-    BaseException``): while the block runs, the signal is sent again every second after each one
-    received.
+    memlab's own code runs (where Python would also drop it, in a weakref callback) is sent again
+    10 ms later, until it lands in the program's code. Once raised it is not sent again: the
+    program's ``finally`` blocks (a checkpoint being saved) run undisturbed, and a program that
+    swallows it (``except BaseException``) goes on, as with Ctrl-C.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -132,7 +131,6 @@ def signals_raised(signums: tuple[int, ...] = TERMINATING_SIGNALS) -> Iterator[N
         if _in_memlab(frame):
             send_again(signum, _DEFER_S)
             return
-        send_again(signum, _RETRY_S)
         raise Terminated(signum, _where(frame))
 
     previous = {signum: signal.getsignal(signum) for signum in signums}

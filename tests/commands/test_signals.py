@@ -185,3 +185,26 @@ def test_the_handlers_and_os_exit_are_memlab_s_only_while_the_program_runs(
         assert os._exit is real_exit
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_the_program_s_finally_blocks_run_to_their_end_after_sigterm(tmp_path):
+    """The exception is raised once: a checkpoint saved in a ``finally`` block (here 1.5 s) is
+    never interrupted by memlab again."""
+    source = LOOP.replace(
+        'print("ready", flush=True)\nwhile True:\n    step(x)\n',
+        "import time\n"
+        'print("ready", flush=True)\n'
+        "try:\n"
+        "    while True:\n"
+        "        step(x)\n"
+        "finally:\n"
+        "    time.sleep(1.5)\n"
+        '    print("checkpoint saved", flush=True)\n',
+    )
+    process, _ = start(tmp_path, source)
+    assert process.stdout is not None
+    assert process.stdout.readline() == "ready\n"
+    os.kill(process.pid, signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    assert out == "checkpoint saved\n" + STEP_TABLE
