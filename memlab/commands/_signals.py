@@ -23,6 +23,7 @@ from types import FrameType
 from typing import NoReturn
 
 from memlab._user_code import is_library_file
+from memlab.line_profiler.tracer import end_frames
 
 __all__ = ["TERMINATING_SIGNALS", "Terminated", "os_exit_reported", "signals_raised"]
 
@@ -172,6 +173,7 @@ def os_exit_reported(report: Callable[[int], None]) -> Iterator[None]:
                 )
             else:
                 try:
+                    end_frames(sys._getframe(1))  # the lines the program is in show what they hold
                     report(code)
                 except BaseException as error:  # the process ends here whatever happened
                     print(

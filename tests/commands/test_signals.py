@@ -208,3 +208,18 @@ def test_the_program_s_finally_blocks_run_to_their_end_after_sigterm(tmp_path):
     out, err = process.communicate(timeout=120)
     assert process.returncode == 143, err
     assert out == "checkpoint saved\n" + STEP_TABLE
+
+
+def test_os_exit_inside_a_profiled_function_shows_what_its_last_line_held(tmp_path):
+    source = LOOP.replace("    return y.sum()\n", "    import os\n    os._exit(5)\n").replace(
+        'print("ready", flush=True)\nwhile True:\n    step(x)\n', ""
+    )
+    process, _ = start(tmp_path, source)
+    out, err = process.communicate(timeout=120)
+    assert (process.returncode, err) == (5, "")
+    # x and y (4096 B blocks) are alive on the line that exits, as on the line before
+    assert out.splitlines()[-3:] == [
+        "       8.00K          2.00M    7      y = x * 2",
+        "       8.00K          2.00M    8      import os",
+        "       8.00K          2.00M    9      os._exit(5)",
+    ]
