@@ -1094,3 +1094,46 @@ def test_a_quantized_tensor_is_named_in_a_warning_and_left_in_place(tmp_path: Pa
     assert quantized.untyped_storage() is storage and quantized.int_repr().tolist() == before
     courtesy.restore()
     assert quantized.dequantize().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+# -- issue 25: signals ----
+def test_os_exit_with_a_code_that_is_no_integer_raises_in_the_program_as_python_does(tmp_path: Path) -> None:
+    """``os._exit("3")`` under ``memlab run``: the TypeError ``os._exit`` raises under ``python``,
+    in the program, and the table once, at the program's end (not a report, then a program that
+    runs on after its tracker was exited)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bad_exit.py"
+    script.write_text(
+        "import os\nimport torch\nimport memlab\n\n\n@memlab.profile\ndef step():\n"
+        "    return torch.ones(4)\n\n\n"
+        "step()\ntry:\n    os._exit('3')\nexcept TypeError as error:\n    print('TypeError:', error)\n",
+        encoding="utf-8",
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "memlab", "run", "-c", "active_bytes.all.peak", "-D", str(script)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    lines = done.stdout.splitlines()
+    assert lines[0] == "TypeError: 'str' object cannot be interpreted as an integer"
+    assert done.stdout.count("## step") == 1
+
+
+def test_an_xdist_worker_output_in_another_format_is_named_in_the_summary_not_a_crash() -> None:
+    from types import SimpleNamespace
+
+    from memlab.pytest_plugin.plugin import MeasuringPlugin
+
+    controller = MeasuringPlugin(None, True, 5)
+    node = SimpleNamespace(
+        workerinput={"workerid": "gw3"}, workeroutput={"memlab_peaks": [["t.py::a", "cpu"]]}
+    )
+    controller.pytest_testnodedown(node, None)
+    assert controller.peaks == []
+    assert controller.lost == ["gw3: its measurements are not (test, device, allocated, reserved) rows"]

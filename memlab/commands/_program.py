@@ -17,6 +17,7 @@ import types
 from collections.abc import Sequence
 
 from memlab.commands._command import CommandError
+from memlab.commands._signals import Terminated
 
 __all__ = ["MainProgram"]
 
@@ -62,7 +63,9 @@ class MainProgram:
 
     def run(self) -> int:
         """Run the program and return its exit status: 0, the ``sys.exit`` code, 1 after an
-        uncaught exception (its traceback printed to stderr), 130 after ``KeyboardInterrupt``."""
+        uncaught exception (its traceback printed to stderr), 130 after ``KeyboardInterrupt``,
+        ``128 + signum`` after :class:`~memlab.commands._signals.Terminated` (SIGTERM: 143,
+        SIGHUP: 129; one line on stderr says where the program was)."""
         module = self.module
         saved = sys.argv, sys.path[:], sys.modules.get("__main__")
         sys.argv = list(self.argv)
@@ -72,6 +75,9 @@ class MainProgram:
             exec(self.code, module.__dict__)
         except SystemExit as exit:
             return _exit_status(exit.code)
+        except Terminated as terminated:  # SIGTERM or SIGHUP (memlab.commands._signals)
+            print(f"memlab run: {terminated} {terminated.where}: the program stopped there", file=sys.stderr)
+            return terminated.status
         except BaseException as error:  # the program's own failure: report it as Python would
             traceback.print_exception(
                 type(error), error, error.__traceback__.tb_next if error.__traceback__ else None

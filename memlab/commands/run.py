@@ -39,8 +39,10 @@ from memlab._outputs import write_text
 from memlab.commands._command import CommandError
 from memlab.commands._program import MainProgram
 from memlab.commands._ranks import gather_ranks, rank_environment, write_merged
+from memlab.commands._signals import os_exit_reported, signals_raised
 from memlab.history.recording import collect_unwritten, snapshot_recorded
 from memlab.line_profiler import DEFAULT_COLUMNS, LineProfiler, global_line_profiler
+from memlab.line_profiler.workers import worker_calls_lines
 from memlab.oom import explain_oom
 from memlab.sources.select import check_target, measured_device
 from memlab.sources.tracker import TensorTracker
@@ -172,6 +174,13 @@ def profile_program(
     With ``functions``, tracing is on for the whole run (the way ``kernprof`` does it), so every
     new frame pays for a trace-function call; with decorators only, only while they run.
 
+    Ends that do not return (:mod:`memlab.commands._signals`): SIGTERM and SIGHUP (a cluster's
+    time limit or preemption) stop the program as Ctrl-C does, then everything above is printed
+    and written, and the status is 143 / 129 (a handler the program installs itself runs
+    instead); ``os._exit(n)`` in the program's main thread first writes it all, then exits with
+    ``n``. Calls of ``@memlab.profile`` functions in DataLoader workers are one line after the
+    tables (:mod:`memlab.line_profiler.workers`).
+
     Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) each rank writes its own files, the rank
     in their names (``out.rank1.json``), and measures ``cuda:LOCAL_RANK`` by default where there
     are GPUs; with ``gather``, rank 0 also prints the table merged across ranks
@@ -212,24 +221,81 @@ def profile_program(
         raise CommandError(str(error)) from None
     unwritten: list[str] = []
     context, tracker = _program_tracker(profiler, snapshot, plot, unwritten, by_module)
-    try:
-        with watch.watching_imports(), context, explain_oom():
-            if functions:
-                with profiler:
-                    status = program.run()
-            else:
-                status = program.run()
-    finally:
+
+    def shown_functions() -> list[Any]:
         profiler.target_gpu = previous_target
         shown = watch.functions() + [f for f in profiler.at_exit if f not in decorated]
         for function in shown:
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
+        return shown
+
+    def report(status: int) -> int:
+        shown = shown_functions()
+        return _report(
+            profiler,
+            tracker,
+            watch,
+            shown,
+            status,
+            columns,
+            output,
+            merged_output,
+            ranks,
+            unwritten,
+            gather,
+            by_module,
+        )
+
+    stack = contextlib.ExitStack()
+
+    def report_before_os_exit(code: int) -> None:
+        stack.close()  # exits the tracker: its snapshot and plot are written
+        try:
+            report(code)
+        except CommandError as error:
+            print(f"memlab run: error: {error}", file=sys.stderr)
+
+    try:
+        with stack:
+            stack.enter_context(watch.watching_imports())
+            stack.enter_context(context)
+            stack.enter_context(explain_oom())
+            if functions:
+                stack.enter_context(profiler)
+            with os_exit_reported(report_before_os_exit), signals_raised():
+                status = program.run()
+    except BaseException:
+        shown_functions()
+        raise
+    return report(status)
+
+
+def _report(
+    profiler: LineProfiler,
+    tracker: TensorTracker,
+    watch: FunctionWatch,
+    shown: list[Any],
+    status: int,
+    columns: Sequence[str],
+    output: str | None,
+    merged_output: str | None,
+    ranks: Any,
+    unwritten: list[str],
+    gather: bool,
+    by_module: bool,
+) -> int:
+    """Print and write what :func:`profile_program` reports once the program ended with
+    ``status`` (the tables of ``shown``, files, what is missing), and return the status
+    ``memlab run`` exits with."""
     if shown:
         if ranks is not None:
             print(f"memlab run: rank {ranks.rank} of {ranks.world_size}", flush=True)
         unwritten += _print_and_write(profiler, shown, columns, output)
     if by_module:
         sys.stdout.write(("\n" if shown else "") + tracker.module_table().text())
+        sys.stdout.flush()
+    for line in worker_calls_lines():  # @memlab.profile calls in DataLoader workers: not collected
+        sys.stdout.write(f"\n{line}\n")
         sys.stdout.flush()
     if gather:
         merged = gather_ranks(profiler, shown, status)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar, overload
 
 from memlab.line_profiler.profiler import LineProfiler, Target
 from memlab.line_profiler.records import DEFAULT_COLUMNS, validate_columns
+from memlab.line_profiler.workers import WorkerCalls, in_dataloader_worker, worker_calls_lines
 
 __all__ = [
     "GlobalLineProfiler",
@@ -47,8 +48,12 @@ class GlobalLineProfiler(LineProfiler):
         self.at_exit: dict[Any, tuple[str, ...]] = {}
         self.leftovers: dict[Any, Callable[[], None]] = {}
         self._exit_registered = False
+        self._worker_calls = WorkerCalls()
 
     def enable_by_count(self) -> None:
+        if in_dataloader_worker():  # counted for the parent's report, run unprofiled (see .workers)
+            self._worker_calls.count(_called_name(sys._getframe(1)))
+            return
         if not self._exit_registered:
             self._exit_registered = True
             atexit.register(self.print_at_exit)
@@ -67,6 +72,19 @@ class GlobalLineProfiler(LineProfiler):
         sys.stdout.write((f"{head}\n\n" if head and tables else "") + "\n\n".join(tables))
         for print_rest in list(self.leftovers.values()):
             print_rest()
+
+
+def _called_name(wrapper: Any) -> str:
+    """The name of the profiled function whose wrapper is the frame ``wrapper`` (its ``func``)."""
+    func = wrapper.f_locals.get("func")
+    return getattr(func, "__qualname__", None) or "a @memlab.profile function"
+
+
+def print_worker_calls() -> None:
+    """Print to ``sys.stdout`` the line of each ``@profile`` function whose calls ran in this
+    process's DataLoader workers and were not collected (:mod:`memlab.line_profiler.workers`)."""
+    for line in worker_calls_lines():
+        sys.stdout.write(f"\n{line}\n")
 
 
 _global: GlobalLineProfiler | None = None
@@ -99,6 +117,11 @@ def profile(func: Any = None, *, columns: str | Iterable[str] = DEFAULT_COLUMNS)
     without a GPU, the default device through a tensor tracker that models the CUDA caching
     allocator). The exit report is registered when a profiled function first runs, and only then.
     With ``MEMLAB_PROFILE=0`` the function is returned unchanged.
+
+    In DataLoader worker processes (``num_workers > 0``, fork or spawn) the function runs
+    unprofiled: its calls there are counted, and the process that made the DataLoader prints one
+    line at exit after its tables, e.g. ``12 calls of make ran in 2 DataLoader worker processes
+    and were not collected`` (:mod:`memlab.line_profiler.workers`).
     """
     columns = validate_columns(columns)
     if func is None:
@@ -109,7 +132,15 @@ def profile(func: Any = None, *, columns: str | Iterable[str] = DEFAULT_COLUMNS)
     profiler.add_function(func)
     profiler.add_columns(columns)
     profiler.at_exit[func] = columns
+    _say_worker_calls_at_exit()
     return profiler.wrap_callable(func)
+
+
+@functools.cache
+def _say_worker_calls_at_exit() -> None:
+    """Register :func:`print_worker_calls` at exit, once: it runs after the tables (registered
+    later, at the first call) and also when every call ran in workers (none here)."""
+    atexit.register(print_worker_calls)
 
 
 def profile_every(

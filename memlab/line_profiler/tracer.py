@@ -25,7 +25,7 @@ from typing import Any
 
 from memlab.line_profiler.records import DELTA, ENTRY, TIME, ColumnLayout, FunctionRecord
 
-__all__ = ["Tracer"]
+__all__ = ["Tracer", "end_frames"]
 
 TraceFunction = Callable[[FrameType, str, Any], Any]
 Sampler = Callable[[], tuple[int, ...]]
@@ -303,3 +303,16 @@ class Tracer:
             parent,
             outer,
         )
+
+
+def end_frames(frame: FrameType | None) -> None:
+    """Close the rows of the frames memlab traces, from ``frame`` outward, as if each returned now:
+    for a program that ends without returning (``os._exit``), so that the lines it was in show
+    what they held rather than nothing. Each frame's local tracer gets its ``return`` event once
+    (and passes it on to a tracer it chains, as at a real return)."""
+    while frame is not None:
+        local = frame.f_trace
+        if local is not None and hasattr(local, "memlab_owner"):
+            frame.f_trace = None
+            local(frame, "return", None)
+        frame = frame.f_back

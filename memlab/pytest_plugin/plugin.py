@@ -7,7 +7,10 @@ checked with GPU numbers on any machine.
   exceed the limit.
 - ``--memlab-limit SIZE`` (or ``memlab_limit = SIZE`` in the ini file) limits every test's
   allocated peak; a ``limit_tensor_memory`` mark overrides it for its test.
-- ``--memlab`` prints, at the end, the tests with the highest peaks (``--memlab-top N``).
+- ``--memlab`` prints, at the end, the tests with the highest peaks (``--memlab-top N``). Under
+  pytest-xdist each worker sends its tests' peaks to the controller (``workeroutput``, read in
+  ``pytest_testnodedown``), which prints one table of all of them and names any worker whose
+  peaks did not come back (one that crashed).
 
 A test takes one mark of each kind: two on the test itself are a usage error that names both; a
 mark on the test overrides its class's or module's (pytest's closest mark). A failing test's
@@ -40,6 +43,7 @@ __all__ = [
 _LIMITS = pytest.StashKey[tuple[marks.MemoryLimit | None, marks.LeakLimit | None]]()
 _MEASURING = "memlab-measuring"
 _MEMLAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memlab's folder
+_WORKER_PEAKS = "memlab_peaks"  # the key of a pytest-xdist worker's peaks in its workeroutput
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -97,7 +101,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--memlab-top must be 1 or more, got {top}")
     table = config.getoption("memlab")
     if table or default is not None:
-        config.pluginmanager.register(MeasuringPlugin(default, table, top), _MEASURING)
+        config.pluginmanager.register(
+            MeasuringPlugin(default, table, top, getattr(config, "workeroutput", None)), _MEASURING
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -169,12 +175,22 @@ class MeasuringPlugin:
     """Measures the calls of the tests that ask for it (a mark, ``--memlab-limit``, ``--memlab``)
     and fails those over their limits; registered only when one of them is used."""
 
-    def __init__(self, default: marks.MemoryLimit | None, table: bool, top: int) -> None:
+    def __init__(
+        self,
+        default: marks.MemoryLimit | None,
+        table: bool,
+        top: int,
+        workeroutput: dict[str, Any] | None = None,
+    ) -> None:
         self.default = default
         self.table = table
         self.top = top
         #: ``(nodeid, device, allocated peak, reserved peak)`` of each measured test, in run order
         self.peaks: list[tuple[str, str, int, int]] = []
+        #: ``"gw1: why"`` for each pytest-xdist worker whose peaks did not come back
+        self.lost: list[str] = []
+        if workeroutput is not None:  # a pytest-xdist worker: its peaks go to the controller's table
+            workeroutput[_WORKER_PEAKS] = self.peaks  # sent when the worker's session finishes
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
@@ -213,8 +229,28 @@ class MeasuringPlugin:
             pytest.fail("\n\n".join(failures), pytrace=False)
         return result
 
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """pytest-xdist, in the controller: a worker ended; add the peaks of its tests (its
+        ``workeroutput``, filled by this plugin in the worker) to the table, or note that they
+        did not come back (a worker that crashed sends none)."""
         if not self.table:
+            return
+        worker = getattr(node, "workerinput", {}).get("workerid", "a worker")
+        rows = getattr(node, "workeroutput", {}).get(_WORKER_PEAKS)
+        if rows is None:
+            self.lost.append(f"{worker}: {error}" if error else f"{worker}: it sent no measurements")
+            return
+        try:
+            self.peaks += [
+                (str(nodeid), str(device), int(allocated), int(reserved))
+                for nodeid, device, allocated, reserved in rows
+            ]
+        except (TypeError, ValueError):  # another memlab's format: say so rather than fail the run
+            self.lost.append(f"{worker}: its measurements are not (test, device, allocated, reserved) rows")
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.table or _WORKER_PEAKS in getattr(terminalreporter.config, "workeroutput", {}):
             return
         terminalreporter.section("memlab: tests with the highest tensor peaks")
         shown = sorted(self.peaks, key=lambda row: (-row[2], -row[3], row[0]))[: self.top]
@@ -227,3 +263,5 @@ class MeasuringPlugin:
             "Peaks of each test call's own tensors (setup and teardown excluded); cuda: torch.cuda."
             "memory_stats, other devices: the CUDA caching allocator modelled by memlab.TensorTracker"
         )
+        for lost in self.lost:
+            terminalreporter.write_line(f"Not in this table: the tests of pytest-xdist worker {lost}")

@@ -156,7 +156,7 @@ class Selection:
         mode belongs to the thread that entered it; the first entry adopts, for an adopting
         tracker). Other sources see every thread."""
         tracker = self._tracker
-        if tracker is None or tracker.counts_this_thread():
+        if tracker is None or (tracker.counts_this_thread() and not tracker.inherited_on_top()):
             return _nothing
         tracker.__enter__()
         return lambda: tracker.__exit__(None, None, None)

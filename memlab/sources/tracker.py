@@ -22,10 +22,16 @@ from collections import deque
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _push_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from memlab._autocast import DisabledCudaRegions, unwatch, watch
 from memlab._gpus import GPU, GpuLike, resolve_gpu
+from memlab._offload import interrupts_held
 from memlab._units import parse_size
 from memlab.history.recorder import make_history
 from memlab.sources.adoption import TrackerAdoption
@@ -74,7 +80,11 @@ def _exit_left_behind() -> None:
 
 @functools.cache
 def _warm_up() -> None:
-    with _Warmup():
+    """Import what the first op under a dispatch mode imports (``torch._dynamo``: hundreds of
+    modules, seconds) with Ctrl-C held back until it is done (:func:`memlab._offload.interrupts_held`,
+    main thread only): a ``KeyboardInterrupt`` half-way would leave submodules in ``sys.modules``
+    whose package is gone. The interrupt is raised after the import, before the tracker is entered."""
+    with interrupts_held(), _Warmup():
         torch.empty(0, device="meta")
 
 
@@ -242,6 +252,8 @@ class TensorTracker(
                 "this TensorTracker was exited before a dispatch mode entered after it, which is still "
                 "active; exit that mode before entering the tracker again"
             )
+        if self.inherited_on_top():
+            self._leave_inherited()
         super().__enter__()
         here = self._here
         here.entered = getattr(here, "entered", 0) + 1
@@ -310,6 +322,27 @@ class TensorTracker(
         tracker is active."""
         here = self._here
         return getattr(here, "entered", 0) > 0 or getattr(here, "inherited", False)
+
+    def inherited_on_top(self) -> bool:
+        """Whether the calling thread counts only because it started while the tracker was active
+        (:meth:`_enter_new_thread`), with the tracker on top of its dispatch mode stack: entering
+        it there replaces that push by an entry of its own."""
+        here = self._here
+        if getattr(here, "entered", 0) or not getattr(here, "inherited", False):
+            return False
+        stack = _get_current_dispatch_mode_stack()
+        return bool(stack) and stack[-1] is self
+
+    def _leave_inherited(self) -> None:
+        """Take the push of :meth:`_enter_new_thread` off the calling thread's stack (it is on top).
+        The thread enters the tracker then, and its exit takes the tracker off its stack: calls that
+        overlap in several threads, in either order, leave no tracker on any thread's stack once
+        they have all returned (only a thread can change its own stack, and a thread that exits
+        its call while another thread's call goes on would otherwise keep the tracker for good).
+        From then on the thread's ops count inside its own entries only."""
+        _pop_mode()
+        self._here.inherited = False
+        self._inherited.discard(threading.current_thread())
 
     def _enter_new_thread(self) -> None:
         """In a thread started while the tracker is active, before its first line (see

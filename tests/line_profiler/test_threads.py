@@ -132,3 +132,56 @@ def test_threads_already_running_are_named_in_the_source_line():
         "existed before profiling; ops of threads already running when counting began are not "
         "counted (ThreadPoolExecutor-0_0)"
     )
+
+
+def staggered_calls(work: Callable[[int, Callable[[], object]], int], first_to_leave: str) -> dict[str, Any]:
+    """Call ``work`` in two threads, A and B, B started while A's call runs (so B starts while the
+    tracker is active), their calls overlapping: A starts, B starts, then ``first_to_leave`` ("A"
+    or "B") returns first, then the other. Returns per thread what its call returned and, read in
+    that thread once both calls returned, the length of its dispatch mode stack (C++ and Python)."""
+    inside = {name: threading.Event() for name in "AB"}
+    leave = {name: threading.Event() for name in "AB"}
+    left = {name: threading.Event() for name in "AB"}
+    both_left = threading.Barrier(2)
+    seen: dict[str, Any] = {}
+
+    def thread_body(name: str, size: int) -> None:
+        seen[name] = work(size, lambda: (inside[name].set(), leave[name].wait()))
+        left[name].set()
+        both_left.wait()
+        seen[f"{name} stack"] = (torch._C._len_torch_dispatch_stack(), _get_current_dispatch_mode_stack())
+
+    threads = {
+        name: threading.Thread(target=thread_body, args=(name, size))
+        for name, size in (("A", 1000), ("B", 3000))
+    }
+    threads["A"].start()
+    inside["A"].wait()
+    threads["B"].start()
+    inside["B"].wait()
+    second = "B" if first_to_leave == "A" else "A"
+    leave[first_to_leave].set()
+    left[first_to_leave].wait()
+    leave[second].set()
+    for thread in threads.values():
+        thread.join()
+    return seen
+
+
+def test_calls_that_overlap_in_threads_leave_no_mode_on_any_thread_in_either_order(rows):
+    for first_to_leave in ("A", "B"):  # A starts, B starts, A ends, B ends; and B ends before A
+        lp = memlab.LineProfiler(columns=COLUMNS)
+        work = lp(work_body)
+        assert staggered_calls(work, first_to_leave) == {
+            "A": 1000,
+            "B": 3000,
+            "A stack": (0, []),
+            "B stack": (0, []),
+        }
+        nothing_left_installed()
+        assert rows(lp, work_body, ("hits", *COLUMNS)) == [  # both threads counted (512 B blocks)
+            ("def work_body(n: int, wait: Callable[[], object]) -> int:", 2, 0),
+            ("block = torch.empty(n, dtype=U8)", 2, 1024 + 3072),
+            ("wait()", 2, 3072),  # B allocates during A's wait
+            ("return block.numel()", 2, 0),
+        ]

@@ -560,6 +560,65 @@ def test_entering_a_tracker_imports_what_the_first_op_would_so_no_line_pays_for_
     assert result.stdout == "False True\n", result.stderr
 
 
+CTRL_C_DURING_WARM_UP = """\
+import importlib.abc, os, signal, sys
+import torch
+import memlab
+
+events = []
+
+
+class CtrlCAtDynamo(importlib.abc.MetaPathFinder):
+    \"\"\"Ctrl-C arrives half-way through importing torch._dynamo (hundreds of modules): as its
+    submodule guards starts, after config, utils and others were imported.\"\"\"
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo.guards":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            events.append("import started")
+            os.kill(os.getpid(), signal.SIGINT)
+            execute(module)
+            events.append("import done")
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+import importlib.util
+sys.meta_path.insert(0, CtrlCAtDynamo())
+try:
+    with memlab.TensorTracker():
+        events.append("entered")
+except KeyboardInterrupt:
+    events.append("KeyboardInterrupt")
+orphans = sorted(
+    name
+    for name in list(sys.modules)
+    if name.startswith("torch._dynamo.") and name.rpartition(".")[0] not in sys.modules
+)
+with memlab.TensorTracker(allocator=None) as tracker:
+    block = torch.empty(1000, dtype=torch.uint8)
+print(events, orphans[:3], tracker.memory_allocated())
+"""
+
+
+def test_ctrl_c_while_the_first_entry_imports_torch_dynamo_is_raised_after_the_import(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", CTRL_C_DURING_WARM_UP], capture_output=True, text=True, timeout=120
+    )
+    # The import ran to its end, no submodule lost its package (without the hold: torch._dynamo is
+    # gone, torch._dynamo.config and others stay), and Ctrl-C stopped the entry after.
+    assert result.stdout == "['import started', 'import done', 'KeyboardInterrupt'] [] 1000\n", result.stderr
+
+
 def test_trackers_exited_out_of_order_never_count_into_the_exited_one():
     outer, inner = memlab.TensorTracker(allocator=None), memlab.TensorTracker(allocator=None)
     outer.__enter__()
