@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from memlab._tensors import storages_of
+from memlab.sources.composites import has_composite_kernel
 from memlab.sources.resizes import resizable_arguments
 
 __all__ = ["FRESH_ALIASES", "OpKind", "StorageRef", "collect_storages", "unpack"]
@@ -27,7 +28,7 @@ class StorageRef(weakref.ref):
 class OpKind:
     """What an op's schema says about its outputs, computed once per op."""
 
-    __slots__ = ("aliases", "fresh", "grows", "resizes_storage", "writes")
+    __slots__ = ("aliases", "composite", "fresh", "grows", "resizes_storage", "writes")
 
     def __init__(self, func: Any) -> None:
         infos = [ret.alias_info for ret in func._schema.returns]
@@ -37,6 +38,8 @@ class OpKind:
         self.grows = resizable_arguments(func)  # arguments whose storages it may grow (resize_, out=)
         # resizes its first argument's storage in place and returns nothing (FSDP under torch.compile)
         self.resizes_storage = func._schema.name == "inductor::resize_storage_bytes_"
+        # reaches a dispatch mode whole only where autograd is skipped (inference mode)
+        self.composite = has_composite_kernel(func)
 
 
 def collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:

@@ -30,6 +30,7 @@ from memlab._units import parse_size
 from memlab.history.recorder import make_history
 from memlab.sources.adoption import TrackerAdoption
 from memlab.sources.categorising import TrackerCategories
+from memlab.sources.composites import composite_kernel, run_composite
 from memlab.sources.constructors import follow_new_storages
 from memlab.sources.device_memory import ALLOCATORS, OOM_OBSERVERS, TrackerDeviceMemory
 from memlab.sources.modules import ModuleRecorder
@@ -325,6 +326,11 @@ class TensorTracker(
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = OpKind(func)
+        if kind.composite and self._entries and not self._left_behind:
+            # Under inference mode: decomposed here, seen as with autograd on (sources/composites.py)
+            kernel = composite_kernel(func, args, kwargs)
+            if kernel is not None:
+                return run_composite(self, kernel, args, kwargs)
         before = sizes_before(kind.grows, args, kwargs, collect_storages) if kind.grows else None
         out = func(*args, **(kwargs or {}))
         if not self._entries or self._left_behind:
