@@ -33,6 +33,7 @@ from memlab.sources.categorising import TrackerCategories
 from memlab.sources.composites import composite_kernel, run_composite
 from memlab.sources.constructors import follow_new_storages
 from memlab.sources.device_memory import ALLOCATORS, OOM_OBSERVERS, TrackerDeviceMemory
+from memlab.sources.holds import held, holding, settle
 from memlab.sources.modules import ModuleRecorder
 from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
@@ -202,6 +203,8 @@ class TensorTracker(
         #: ``None``/``False`` (no history), ``True`` (unbounded) or ``max_entries`` per device.
         self.history = history
         self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
+        self._limited = self.capacity is not None  # can refuse a request (or a resumed allocator can)
+        self._refused: Any = lambda: None  # a weak reference to the storage of the last request refused
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
         self._resumed: Any = None  # the allocator the first device starts from (see resume)
@@ -332,9 +335,35 @@ class TensorTracker(
             if kernel is not None:
                 return run_composite(self, kernel, args, kwargs)
         before = sizes_before(kind.grows, args, kwargs, collect_storages) if kind.grows else None
-        out = func(*args, **(kwargs or {}))
-        if not self._entries or self._left_behind:
-            return out  # exited (out of order, or before a thread it was inherited by ends): never count
+        if not self._limited:
+            out = func(*args, **(kwargs or {}))
+            if not self._entries or self._left_behind:
+                return out  # exited (out of order, or before a thread it was inherited by ends): never count
+            counting = functools.partial(self._count_op, kind, func, args, kwargs, out, before)
+            if not held(counting):  # a tracker above with a capacity decides first (sources/holds.py)
+                counting(None)
+            return out
+        with holding() as frame:
+            try:
+                out = func(*args, **(kwargs or {}))
+            except BaseException:
+                settle(frame)
+                raise
+        try:
+            if self._entries and not self._left_behind:
+                self._count_op(kind, func, args, kwargs, out, before, None)
+        except torch.OutOfMemoryError:
+            settle(frame, self._refused())
+            raise
+        settle(frame)
+        return out
+
+    def _count_op(
+        self, kind: OpKind, func: Any, args: Any, kwargs: Any, out: Any, before: Any, refused: Any
+    ) -> None:
+        """Count the storages ``func(*args, **kwargs)`` made or grew (``out``; ``before``: the sizes
+        of those it may grow), and the cuBLAS workspace it takes; with ``refused`` (a storage an
+        inner tracker refused) only the outputs before that one, and no workspace."""
         with self._lock:  # threads run ops at once; the counting state is one
             if self._pending:
                 self._drain()
@@ -345,6 +374,8 @@ class TensorTracker(
             inputs: set[int] | None = None
             live = self._live
             for storage in outputs:
+                if storage is refused:
+                    return
                 ref = live.get(id(storage))
                 if ref is not None:
                     if kind.writes and ref.nbytes != storage.nbytes():
@@ -363,9 +394,8 @@ class TensorTracker(
                         inputs = {id(s) for s in found}
                     if id(storage) not in inputs:
                         self._track(storage)
-            if self.allocator is not None and func.overloadpacket in workspace_ops():
+            if refused is None and self.allocator is not None and func.overloadpacket in workspace_ops():
                 self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[union-attr]
-        return out
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         """``storage`` was just resized (:mod:`memlab.sources.resizes`), in any thread: count it

@@ -245,3 +245,27 @@ def test_without_marks_or_options_the_plugin_imports_nothing_and_measures_nothin
     pytester.makepyfile(test_file=textwrap.dedent(source))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=1)
+
+
+NESTED_CAPACITY = """\
+import pytest
+import torch
+
+import memlab
+
+
+def test_nested_capacity():
+    a = torch.empty(1024 * 1024)
+    with memlab.TensorTracker(capacity="8 MiB"), pytest.raises(torch.OutOfMemoryError):
+        torch.empty(4 * 1024 * 1024)  # 16 MiB: refused by the test's own tracker, allocated by no GPU
+"""
+
+
+def test_a_request_a_tracker_in_the_test_refuses_is_not_in_the_table(pytester):
+    result = run(pytester, NESTED_CAPACITY, "--memlab")
+    result.assert_outcomes(passed=1)
+    header = " allocated   reserved  device  test"
+    assert block(result.outlines, header, 2) == [
+        header,
+        "     4.00M     20.00M  cpu     test_file.py::test_nested_capacity",
+    ]
