@@ -45,6 +45,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from memlab.estimate.fake_cache import FaithfulFakeTensorMode
 from memlab.estimate.known import KNOWN_LIMIT, KnownValues
 from memlab.estimate.modes import UnwrappedDispatch
 from memlab.history.recorder import capture_stack
@@ -78,9 +79,10 @@ class _HostReads(ShapeEnv):
 
 
 def fake_mode_with_values() -> tuple[FakeTensorMode, HostValues]:
-    """A ``FakeTensorMode`` whose ``.item()`` gives unbacked symbols (input shapes stay static),
-    and the :class:`HostValues` to enter above it."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
+    """A ``FakeTensorMode`` whose ``.item()`` gives unbacked symbols (input shapes stay static) and
+    whose dispatch cache keeps storage sharing (:mod:`memlab.estimate.fake_cache`), and the
+    :class:`HostValues` to enter above it."""
+    mode = FaithfulFakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     return mode, HostValues(mode)
 
 
