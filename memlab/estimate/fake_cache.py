@@ -60,7 +60,18 @@ def shares_storage_unlike_cache(func: Any, args: Sequence[Any], output: Any) -> 
 
 class FaithfulFakeTensorMode(FakeTensorMode):
     """A ``FakeTensorMode`` that caches no op result whose outputs share storages in a way a cache
-    hit would not rebuild (see the module docstring); otherwise the same."""
+    hit would not rebuild (see the module docstring); otherwise the same.
+
+    ``shape_env_on_demand``: a ``ShapeEnv`` the mode takes when it first needs one and has none (a
+    nested jagged tensor's ragged size is a symbol of one): a mode with a ``ShapeEnv`` runs every
+    op slower, so one that needs none runs without."""
+
+    shape_env_on_demand: Any = None
+
+    def create_symbolic_nested_int(self, *, nt_tensor_id: int | None = None) -> Any:
+        if self.shape_env is None and self.shape_env_on_demand is not None:
+            self.shape_env = self.shape_env_on_demand
+        return super().create_symbolic_nested_int(nt_tensor_id=nt_tensor_id)
 
     def _make_cache_entry(
         self,

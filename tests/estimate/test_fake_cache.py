@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import memlab
 from memlab.estimate.fake_cache import FaithfulFakeTensorMode, shares_storage_unlike_cache
 
 aten = torch.ops.aten
@@ -86,3 +87,63 @@ def test_ordinary_ops_are_still_cached(shape):
         for _ in range(3):
             (a * 2).relu()
     assert FaithfulFakeTensorMode.cache_hits >= before + 4  # the mul and relu of the 2nd and 3rd
+
+
+# -- nested jagged tensors: their ragged size is a symbol of a ShapeEnv the mode takes on demand -------
+def jagged_step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    nested = torch.nested.nested_tensor([x[:30], x[:50]], layout=torch.jagged)
+    loss = model(nested).values().pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def jagged_input(nested: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(nested, weight).values().sum()
+
+
+def tracked(step, *arguments) -> dict[str, int]:
+    """``step`` for real, the arguments counted first as an estimate counts them."""
+    with memlab.TensorTracker() as tracker:
+        for argument in arguments:
+            tracker.adopt(roots=[argument])
+        result = step(*arguments)
+        stats = tracker.memory_stats()
+    del result
+    return {key: stats[key] for key in KEYS}
+
+
+# Peaks: the total allocated differs by the 1 KiB of PyTorch's dummy nested tensor, a meta tensor
+# that backward reads (_nested_get_jagged_dummy), counted on meta by a real run, with the rest here.
+KEYS = ("allocated_bytes.all.peak", "active_bytes.all.peak", "reserved_bytes.all.peak")
+
+
+def test_a_step_that_makes_a_nested_jagged_tensor_is_estimated_as_it_runs():
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(64, 64), torch.randn(80, 64)
+    estimate = memlab.estimate(jagged_step, model, x)
+    assert (estimate.method, estimate.forced_by, estimate.caveats) == ("fake", None, [])
+    again = memlab.estimate(jagged_step, model, x)
+    assert again.stats == estimate.stats  # PyTorch's dummy nested tensor is made outside the run
+    assert model.weight.grad is None  # the user's model untouched
+    expected = tracked(jagged_step, model, x)
+    assert {key: estimate.stats[key] for key in KEYS} == expected
+    assert expected["allocated_bytes.all.peak"] == 161_792  # ground truth: the tracked real run
+
+
+def test_a_nested_jagged_tensor_given_to_the_step_is_estimated_as_it_runs():
+    nested = torch.nested.nested_tensor([torch.randn(30, 64), torch.randn(50, 64)], layout=torch.jagged)
+    weight = torch.randn(96, 64)
+    estimate = memlab.estimate(jagged_input, nested, weight)
+    assert estimate.method == "fake"
+    assert {key: estimate.stats[key] for key in KEYS} == tracked(jagged_input, nested, weight)
+
+
+def test_an_estimate_leaves_pytorchs_dummy_nested_tensor_real():
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.nested._internal import nested_tensor
+
+    memlab.estimate(
+        jagged_input, torch.nested.nested_tensor([torch.randn(3, 4)], layout=torch.jagged), torch.eye(4)
+    )
+    dummy = nested_tensor._nt_view_dummy()
+    assert not isinstance(dummy._values, FakeTensor) and dummy._values.device.type == "meta"
