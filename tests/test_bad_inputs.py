@@ -704,3 +704,33 @@ def test_an_fsdp2_model_sharded_in_a_fake_group_left_since_is_an_estimate_error(
         "memlab.distributed.fake_group(4, rank=2), which has been left, so its process group no longer "
         "exists; call memlab.estimate inside the same `with fake_group(...)` block"
     )
+
+
+def test_numpy_of_a_nested_jagged_tensor_in_a_step_is_an_estimate_error_naming_the_line() -> None:
+    def step(x: torch.Tensor) -> Any:
+        nested = torch.nested.nested_tensor([x[:3], x[:5]], layout=torch.jagged)
+        return nested.numpy()
+
+    with pytest.raises(memlab.EstimateError) as error:
+        memlab.estimate(step, torch.randn(8, 4))
+    line = step.__code__.co_firstlineno + 2
+    assert str(error.value) == (
+        f".numpy() of a NestedTensor at {__file__}:{line}: return nested.numpy(): PyTorch makes NumPy arrays "
+        "of plain tensors only ('.numpy() is not supported for tensor subclasses.'), so the step fails there "
+        "on real tensors too; read a plain tensor instead (a nested tensor's .values() or .unbind(), a "
+        "DTensor's .to_local())"
+    )
+
+
+def test_a_nested_jagged_tensor_and_numpy_in_a_step_are_estimated() -> None:
+    def step(x: torch.Tensor) -> Any:
+        nested = torch.nested.nested_tensor([x[:3], x[:5]], layout=torch.jagged)
+        return (nested * 2).values().detach().numpy().sum()
+
+    estimate = memlab.estimate(step, torch.randn(8, 4))
+    line = step.__code__.co_firstlineno + 2
+    assert (estimate.method, estimate.forced_by) == ("fake", None)
+    assert estimate.caveats == [
+        f".numpy() at {__file__}:{line}: return (nested * 2).values().detach().numpy().sum() read values the "
+        "estimate does not have: it gave zeros"
+    ]

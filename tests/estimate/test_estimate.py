@@ -690,3 +690,22 @@ def test_an_estimate_under_inference_mode_runs_cudas_attention_as_under_no_grad(
     assert no_grad.substituted == inference.substituted == {"scaled_dot_product_attention": 1}
     assert [inference.stats[key] for key in KEYS] == [no_grad.stats[key] for key in KEYS]
     assert inference.by_category("peak") == no_grad.by_category("peak")
+
+
+def test_a_step_rerun_on_cpu_copies_says_it_ran_twice(capsys):
+    from memlab.estimate.result import RERUN
+
+    def step(model, x):
+        print("called")  # a side effect outside the objects an estimate copies and puts back
+        hidden = model(x)
+        if hidden.mean() > 100:  # a value the fake run has not: the estimate runs again, for real
+            hidden = hidden * 2
+        return hidden.sum()
+
+    estimate = memlab.estimate(step, torch.nn.Linear(16, 16), torch.randn(4, 16))
+    assert estimate.method == "cpu"
+    assert capsys.readouterr().out == "called\ncalled\n"
+    assert estimate.caveats == [RERUN]
+    assert f"caveat: {RERUN}" in repr(estimate)
+    fake = memlab.estimate(lambda model, x: model(x).sum(), torch.nn.Linear(16, 16), torch.randn(4, 16))
+    assert (fake.method, fake.caveats) == ("fake", [])
