@@ -152,9 +152,14 @@ class TensorTracker(
     the measured code, and backend choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
 
-    Trackers nest (the innermost one is :func:`active_tracker`). One exited before a mode entered
-    after it (out of order) counts nothing from then on; it stays on torch's mode stack, passing
-    every op through, until the modes above it are exited.
+    Grad modes: under ``torch.inference_mode()`` composite ops (``linear``, ``layer_norm``) reach
+    the tracker whole; it runs their decomposition, so it counts the ops, temporaries and cuBLAS
+    workspace it counts with autograd on (:mod:`memlab.sources.composites`).
+
+    Trackers nest (the innermost one is :func:`active_tracker`). A request an inner tracker with a
+    ``capacity`` refuses is counted by none of the trackers outside it (:mod:`memlab.sources.holds`).
+    One exited before a mode entered after it (out of order) counts nothing from then on; it stays
+    on torch's mode stack, passing every op through, until the modes above it are exited.
     """
 
     def __init__(
