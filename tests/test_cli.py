@@ -578,3 +578,40 @@ def test_run_on_meta_of_a_cpu_script_says_why_every_byte_is_zero(script: Path, c
         "the program's first line; no tensor was made on meta, so every byte column is 0: the tensors were "
         "on cpu (measure cpu to see them)"
     )
+
+
+NESTED_CAPACITY_SCRIPT = """\
+import torch
+import memlab
+
+
+def main():
+    kept = torch.empty(1024 * 1024)
+    try:
+        with memlab.TensorTracker(capacity="8 MiB"):
+            torch.empty(4 * 1024 * 1024)
+    except torch.OutOfMemoryError:
+        pass
+    return kept
+
+
+main()
+"""
+
+
+def test_run_does_not_count_a_request_a_tracker_in_the_script_refused(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "nested.py"
+    path.write_text(NESTED_CAPACITY_SCRIPT, encoding="utf-8")
+    assert memlab("run", "-f", "main", path) == 0
+    rows = tables(capsys.readouterr().out)["main"]
+    # the 16 MiB the inner tracker refused is allocated by no GPU: the peak stays at the kept 4 MiB
+    assert [(peak, line) for peak, _, line, _ in rows] == [
+        ("0.00B", "5"),
+        ("4.00M", "6"),
+        ("4.00M", "7"),
+        ("4.00M", "8"),
+        ("4.00M", "9"),
+        ("4.00M", "10"),
+        ("4.00M", "11"),
+        ("4.00M", "12"),
+    ]
