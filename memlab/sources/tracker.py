@@ -7,10 +7,11 @@ alive exactly as long as the C++ storage). Each allocation and release is replay
 the device's allocator (by default the CUDA caching allocator), so a CPU or ``meta`` run reports the
 numbers a GPU would show.
 
-This module holds entering and exiting (threads, torch's mode stack) and the dispatch that decides
-which storages are new. The class's other halves are mixins, one concept each: the modelled device
-memory (:mod:`.device_memory`), adoption of what existed before (:mod:`.adoption`), categories and
-snapshots (:mod:`.categorising`) and the ``torch.cuda``-style readers (:mod:`.statistics`).
+This module holds entering and exiting (threads, torch's mode stack) and the dispatch. The class's
+other halves are mixins, one concept each: which of an op's storages are new (:mod:`.storages`),
+the modelled device memory (:mod:`.device_memory`), adoption of what existed before
+(:mod:`.adoption`), categories and snapshots (:mod:`.categorising`) and the ``torch.cuda``-style
+readers (:mod:`.statistics`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from memlab.sources.holds import held, holding, settle
 from memlab.sources.modules import ModuleRecorder
 from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
-from memlab.sources.storages import OpKind, StorageRef, collect_storages, unpack
+from memlab.sources.storages import OpCounting, OpKind, StorageRef, collect_storages, unpack
 from memlab.sources.threads import follow_new_threads, unreachable_threads
-from memlab.sources.workspaces import CublasWorkspaces, workspace_ops
+from memlab.sources.workspaces import CublasWorkspaces
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
@@ -81,7 +82,7 @@ def _warm_up() -> None:
 
 
 class TensorTracker(
-    TrackerAdoption, TrackerCategories, TrackerDeviceMemory, TrackerStatistics, TorchDispatchMode
+    TrackerAdoption, TrackerCategories, TrackerDeviceMemory, TrackerStatistics, OpCounting, TorchDispatchMode
 ):
     """Count tensor storages as they are created and freed, and model the memory they would take.
 
@@ -362,45 +363,6 @@ class TensorTracker(
             raise
         settle(frame)
         return out
-
-    def _count_op(
-        self, kind: OpKind, func: Any, args: Any, kwargs: Any, out: Any, before: Any, refused: Any
-    ) -> None:
-        """Count the storages ``func(*args, **kwargs)`` made or grew (``out``; ``before``: the sizes
-        of those it may grow), and the cuBLAS workspace it takes; with ``refused`` (a storage an
-        inner tracker refused) only the outputs before that one, and no workspace."""
-        with self._lock:  # threads run ops at once; the counting state is one
-            if self._pending:
-                self._drain()
-            if kind.resizes_storage:
-                self._count_resize(args[0].untyped_storage())
-            outputs: list[torch.UntypedStorage] = []
-            collect_storages(out, outputs)
-            inputs: set[int] | None = None
-            live = self._live
-            for storage in outputs:
-                if storage is refused:
-                    return
-                ref = live.get(id(storage))
-                if ref is not None:
-                    if kind.writes and ref.nbytes != storage.nbytes():
-                        self._resize(ref, storage)
-                elif kind.fresh:
-                    self._track(storage)
-                elif kind.aliases:
-                    if before and before.get(id(storage), storage.nbytes()) < storage.nbytes():
-                        self._track(storage)  # a storage not counted, grown here: its new block is new
-                else:
-                    # Some ops alias an input without saying so in their schema (_unsafe_view):
-                    # a storage that came in is never new.
-                    if inputs is None:
-                        found: list[torch.UntypedStorage] = []
-                        collect_storages((args, tuple(kwargs.values()) if kwargs else ()), found)
-                        inputs = {id(s) for s in found}
-                    if id(storage) not in inputs:
-                        self._track(storage)
-            if refused is None and self.allocator is not None and func.overloadpacket in workspace_ops():
-                self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[union-attr]
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:
         """``storage`` was just resized (:mod:`memlab.sources.resizes`), in any thread: count it
