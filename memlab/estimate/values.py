@@ -87,23 +87,23 @@ def fake_mode_with_values() -> tuple[FakeTensorMode, HostValues]:
     """A ``FakeTensorMode`` whose ``.item()`` gives unbacked symbols (input shapes stay static) and
     whose dispatch cache keeps storage sharing (:mod:`memlab.estimate.fake_cache`), and the
     :class:`HostValues` to enter above it."""
-    _make_nested_dummy()
     mode = FaithfulFakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
     values = HostValues(mode)
     mode.shape_env_on_demand = values.shapes  # for a nested jagged tensor's ragged size
     return mode, values
 
 
-def _make_nested_dummy() -> None:
-    """Make the dummy nested jagged tensor PyTorch keeps for the life of the process, made at the
-    first nested jagged tensor (``torch/nested/_internal/nested_tensor.py``: ``_nt_view_dummy``),
-    here, outside the fake mode: made inside a step it would be a fake tensor, counted by the
-    first estimate of the process (1 KiB) and left behind for good."""
-    nested = sys.modules.get("torch.nested._internal.nested_tensor")
-    make = getattr(nested, "_nt_view_dummy", None)
-    if make is not None:
+def _outside_modes(make_dummy: Callable[[], Any]) -> Callable[[], Any]:
+    """``torch/nested/_internal/nested_tensor.py``'s ``_nt_view_dummy``, which makes at the first
+    nested jagged tensor of the process a dummy one that PyTorch keeps for good, run outside the
+    estimate's modes: made inside a step it would be a fake tensor, counted by the first estimate of
+    the process (1 KiB) and left behind. A process whose steps make none is left without one."""
+
+    def dummy() -> Any:
         with _disable_current_modes():
-            make()
+            return make_dummy()
+
+    return dummy
 
 
 def stands_for(fake: torch.Tensor, real: torch.Tensor) -> None:
@@ -149,6 +149,9 @@ class HostValues(UnwrappedDispatch, TorchDispatchMode):
             self._patch(cls, "__format__", self._format(cls.__dict__.get("__format__", object.__format__)))
         self._patch(FakeTensor, "numpy", self._numpy(FakeTensor.numpy))
         self._patch(torch.Tensor, "numpy", _subclass_numpy(torch.Tensor.numpy))
+        nested = sys.modules.get("torch.nested._internal.nested_tensor")
+        if nested is not None and callable(getattr(nested, "_nt_view_dummy", None)):
+            self._patch(nested, "_nt_view_dummy", _outside_modes(nested._nt_view_dummy))
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -260,7 +263,7 @@ class HostValues(UnwrappedDispatch, TorchDispatchMode):
                 self.caveats.append(caveat)
 
     # -- host conversions fake tensors lack --------------------------------------------------------
-    def _patch(self, cls: type, name: str, function: Any) -> None:
+    def _patch(self, cls: Any, name: str, function: Any) -> None:
         self._patched[(cls, name)] = cls.__dict__.get(name)
         setattr(cls, name, function)
 
