@@ -1137,3 +1137,95 @@ def test_an_xdist_worker_output_in_another_format_is_named_in_the_summary_not_a_
     controller.pytest_testnodedown(node, None)
     assert controller.peaks == []
     assert controller.lost == ["gw3: its measurements are not (test, device, allocated, reserved) rows"]
+
+
+# -- issue 25: numbers ----
+def test_an_object_collective_that_needs_another_ranks_objects_names_itself_and_the_ranks() -> None:
+    import torch.distributed as dist
+
+    from memlab.distributed import FakeCollectiveError, fake_group
+
+    with fake_group(4, rank=2):
+        with pytest.raises(FakeCollectiveError) as broadcast:
+            dist.broadcast_object_list([None, None], src=0)
+        with pytest.raises(FakeCollectiveError) as scatter:
+            dist.scatter_object_list([None], None, src=1)
+        with pytest.raises(FakeCollectiveError) as receive:
+            dist.recv_object_list([None])
+        with pytest.raises(ValueError, match="source rank must provide non-None scatter_object_input_list"):
+            dist.scatter_object_list([None], None, src=2)  # the source's own mistake: PyTorch's error
+    assert str(broadcast.value) == (
+        "torch.distributed.broadcast_object_list from rank 0 to rank 2 of a memlab fake_group of 4: the "
+        "objects exist only in the process of rank 0, which a fake group does not run, so this rank cannot "
+        "be given them; estimate rank 0 (fake_group(4, rank=0)), or give every rank the objects and skip "
+        "the broadcast_object_list"
+    )
+    assert str(scatter.value).startswith("torch.distributed.scatter_object_list from rank 1 to rank 2 of")
+    assert str(receive.value).startswith(
+        "torch.distributed.recv_object_list from any rank to rank 2 of a memlab fake_group of 4: the objects "
+        "exist only in the process of any rank"
+    )
+
+
+def test_an_fsdp2_model_sharded_in_a_fake_group_left_since_is_an_estimate_error() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from memlab.distributed import fake_group
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    with fake_group(4, rank=2):
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        inside = memlab.estimate(lambda model, x: model(x).sum().backward(), model, torch.randn(2, 16))
+    assert inside.peak_allocated > 0
+    with pytest.raises(memlab.EstimateError) as error:
+        memlab.estimate(lambda model, x: model(x).sum().backward(), model, torch.randn(2, 16))
+    assert str(error.value) == (
+        "cannot estimate the model (Sequential): it was sharded with fully_shard inside "
+        "memlab.distributed.fake_group(4, rank=2), which has been left, so its process group no longer "
+        "exists; call memlab.estimate inside the same `with fake_group(...)` block"
+    )
+
+
+@pytest.fixture
+def forget_the_dummy_nested_tensor() -> Any:
+    """PyTorch keeps, from the first nested jagged tensor of a process, a dummy one (two meta
+    tensors): forgotten after the test, so that later tests that count the tensors alive before
+    they profile do not find it."""
+    yield
+    from torch.nested._internal import nested_tensor
+
+    nested_tensor._dummy_instance = None
+
+
+@pytest.mark.usefixtures("forget_the_dummy_nested_tensor")
+def test_numpy_of_a_nested_jagged_tensor_in_a_step_is_an_estimate_error_naming_the_line() -> None:
+    def step(x: torch.Tensor) -> Any:
+        nested = torch.nested.nested_tensor([x[:3], x[:5]], layout=torch.jagged)
+        return nested.numpy()
+
+    with pytest.raises(memlab.EstimateError) as error:
+        memlab.estimate(step, torch.randn(8, 4))
+    line = step.__code__.co_firstlineno + 2
+    assert str(error.value) == (
+        f".numpy() of a NestedTensor at {__file__}:{line}: return nested.numpy(): PyTorch makes NumPy arrays "
+        "of plain tensors only ('.numpy() is not supported for tensor subclasses.'), so the step fails there "
+        "on real tensors too; read a plain tensor instead (a nested tensor's .values() or .unbind(), a "
+        "DTensor's .to_local())"
+    )
+
+
+@pytest.mark.usefixtures("forget_the_dummy_nested_tensor")
+def test_a_nested_jagged_tensor_and_numpy_in_a_step_are_estimated() -> None:
+    def step(x: torch.Tensor) -> Any:
+        nested = torch.nested.nested_tensor([x[:3], x[:5]], layout=torch.jagged)
+        return (nested * 2).values().detach().numpy().sum()
+
+    estimate = memlab.estimate(step, torch.randn(8, 4))
+    line = step.__code__.co_firstlineno + 2
+    assert (estimate.method, estimate.forced_by) == ("fake", None)
+    assert estimate.caveats == [
+        f".numpy() at {__file__}:{line}: return (nested * 2).values().detach().numpy().sum() read values the "
+        "estimate does not have: it gave zeros"
+    ]

@@ -610,3 +610,40 @@ def test_run_with_one_part_columns_prints_one_header_line(script: Path, capsys: 
         "   1 4.00M   11      b = torch.empty(n, 1024)\n"
         "   1 4.00M   12      return a + b"
     )
+
+
+NESTED_CAPACITY_SCRIPT = """\
+import torch
+import memlab
+
+
+def main():
+    kept = torch.empty(1024 * 1024)
+    try:
+        with memlab.TensorTracker(capacity="8 MiB"):
+            torch.empty(4 * 1024 * 1024)
+    except torch.OutOfMemoryError:
+        pass
+    return kept
+
+
+main()
+"""
+
+
+def test_run_does_not_count_a_request_a_tracker_in_the_script_refused(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "nested.py"
+    path.write_text(NESTED_CAPACITY_SCRIPT, encoding="utf-8")
+    assert memlab("run", "-f", "main", path) == 0
+    rows = tables(capsys.readouterr().out)["main"]
+    # the 16 MiB the inner tracker refused is allocated by no GPU: the peak stays at the kept 4 MiB
+    assert [(peak, line) for peak, _, line, _ in rows] == [
+        ("0.00B", "5"),
+        ("4.00M", "6"),
+        ("4.00M", "7"),
+        ("4.00M", "8"),
+        ("4.00M", "9"),
+        ("4.00M", "10"),
+        ("4.00M", "11"),
+        ("4.00M", "12"),
+    ]

@@ -11,11 +11,12 @@ another) of a job of any size, for estimates of sharded training without the oth
 
 from __future__ import annotations
 
-from memlab.distributed.fake import FakeGroupError, fake_group
+from memlab.distributed.fake import FakeCollectiveError, FakeGroupError, fake_group
 from memlab.distributed.gather import gather, rank_report
 from memlab.distributed.merge import MergedLines, MergedStats, RankReport, merge_reports
 
 __all__ = [
+    "FakeCollectiveError",
     "FakeGroupError",
     "MergedLines",
     "MergedStats",

@@ -9,9 +9,11 @@ DDP's backward fails on it (``comm.cpp``: "expected the hook result is either a 
 TensorList found None"). The group here is a Python ``ProcessGroup`` (as PyTorch's multi-threaded
 test group is) whose every collective returns a completed ``Work`` whose future holds its output
 tensors: no data moves between ranks (an all-gather fills each rank's slot with this rank's input,
-in place), no byte is allocated beyond what the caller allocated for the output (as NCCL's
-collectives, in place on the caller's buffers, do), and DDP, FSDP2, DTensor redistribution and
-plain collectives all run.
+in place, and so does a gather on its root), no byte is allocated beyond what the caller allocated
+for the output (as NCCL's collectives, in place on the caller's buffers, do), and DDP, FSDP2,
+DTensor redistribution and plain collectives all run. Object collectives give this rank what a real
+group would where this process holds it, and raise :class:`FakeCollectiveError` where only another
+rank's process would (:mod:`memlab.distributed.objects`).
 
 What it cannot see: the other ranks. Every rank's tensors are taken to be shaped as this rank's,
 which holds for data parallelism (FSDP, DDP, HSDP) but not for uneven splits of a pipeline.
@@ -28,8 +30,9 @@ from typing import Any
 import torch
 
 from memlab._units import check_count
+from memlab.distributed.objects import FakeCollectiveError, object_collectives
 
-__all__ = ["FakeGroupError", "fake_group", "is_fake", "standalone_group"]
+__all__ = ["FakeCollectiveError", "FakeGroupError", "fake_group", "is_fake", "standalone_group"]
 
 BACKEND = "memlab_fake"
 
@@ -49,8 +52,11 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
     sub-groups) are destroyed, leaving ``torch.distributed`` uninitialised as before.
 
     Models sharded inside the block keep references to its groups: use them (estimate them) inside
-    it. A process group that is initialised already (a real job's) is a :class:`FakeGroupError`:
-    estimate with it directly, or call ``fake_group`` outside the job.
+    it (an estimate of an FSDP2 model after the block is an ``EstimateError`` saying so). Object
+    collectives: :mod:`memlab.distributed.objects` (a :class:`FakeCollectiveError` where this rank
+    would be handed another rank's Python objects). A process group that is initialised already (a
+    real job's) is a :class:`FakeGroupError`: estimate with it directly, or call ``fake_group``
+    outside the job.
     """
     world_size = check_count(world_size, "world_size", 1)
     rank = check_count(rank, "rank", 0)
@@ -70,7 +76,8 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
     _register_backend()
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
-        yield dist.distributed_c10d._get_default_group()
+        with object_collectives(is_fake):
+            yield dist.distributed_c10d._get_default_group()
     finally:
         dist.destroy_process_group()
         _forget_meshes()
@@ -228,10 +235,22 @@ def _group_class() -> type:
         def all_to_all_single(self, output: Any, input: Any, *rest: Any) -> Any:
             return _done([output])
 
-        def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        # On the root (the only rank with the list of every rank's slots): a gather fills each
+        # slot with this rank's input, as an all-gather does; a scatter gives this rank its own
+        # slot. gather_object and scatter_object_list read what they write.
+        def gather(
+            self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+        ) -> Any:
+            for slots, tensor in zip(outputs, inputs, strict=False):  # no slots off the root
+                for slot in slots:
+                    slot.copy_(tensor)
             return _done(outputs)
 
-        def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        def scatter(
+            self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+        ) -> Any:
+            for output, slots in zip(outputs, inputs, strict=False):  # no inputs off the root
+                output.copy_(slots[self._rank])
             return _done(outputs)
 
         def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:

@@ -32,7 +32,7 @@ from memlab.estimate.deepcopy import fake_deepcopy
 from memlab.estimate.isolation import Isolation
 from memlab.estimate.outside import OutsideCopies, outside_tensors, watch_outside
 from memlab.estimate.quiet import fake_tensor_logs_quiet
-from memlab.estimate.result import HOW, Estimate, EstimateError
+from memlab.estimate.result import HOW, RERUN, Estimate, EstimateError
 from memlab.estimate.run_tracker import EstimateTracker
 from memlab.estimate.tensor_copies import host_scalar, tensor_copier
 from memlab.estimate.values import fake_mode_with_values
@@ -121,7 +121,8 @@ def estimate(
     ``nonzero`` of an activation), or the run fails after reading one, the estimate runs ``fn``
     for real on CPU copies of the arguments (``method="cpu"``; exact for the bytes a tracker
     counts, costs host memory and the time of a real run) and ``forced_by`` names the read or
-    op, the line, and the line the value was read from a tensor. A tensor that
+    op, the line, and the line the value was read from a tensor; ``fn`` has then run twice, and
+    ``caveats`` says so (its prints, logging and files happened in both runs). A tensor that
     requires grad and that ``fn`` reaches other than through its arguments or the names it uses
     (a model held by another module's global, say) is an :class:`EstimateError`: its gradients and
     optimizer update would be missing from the estimate.
@@ -345,6 +346,7 @@ def run_estimate(
             stacks=stacks,
         )
         cpu.forced_by = tracker.forced_by
+        cpu.caveats.append(RERUN)
         return cpu
     return built
 

@@ -21,6 +21,7 @@ from memlab._tensors import check_optimizer
 from memlab.estimate import attention, attention_run
 from memlab.estimate.autocast import CudaAutocast
 from memlab.estimate.grad_scaler import CudaGradScalers
+from memlab.sources.composites import COMPOSITE_KERNELS
 
 __all__ = ["DIFFERENCES", "CudaKernels", "Difference", "cuda_optimizer_defaults"]
 
@@ -170,7 +171,9 @@ class CudaKernels:
     dispatch keys of ``aten::dropout``, ``aten::scaled_dot_product_attention`` and the recurrent ops
     (so they see calls from Python and from C++ composites alike). They are process-wide while
     entered: other threads' CPU ops meet the same kernels. Under ``torch.inference_mode`` autograd
-    keys are skipped and the CPU path runs. Only one ``CudaKernels`` can be entered at a time.
+    keys are skipped: a :class:`memlab.TensorTracker` on the stack decomposes these ops itself and
+    runs the same kernels (:data:`memlab.sources.composites.COMPOSITE_KERNELS`); without one the
+    CPU path runs. Only one ``CudaKernels`` can be entered at a time.
 
     ``gpu``: the GPU whose choices to follow (a name, a compute capability, a
     :class:`memlab._gpus.GPU`; ``None``: the GPU in use, else :data:`memlab._gpus.DEFAULT_GPU`).
@@ -204,23 +207,27 @@ class CudaKernels:
         #: One sentence per unhandled difference hit (or handled one not applied), in order first hit.
         self.caveats: list[str] = []
         self._library: Any = None
+        self._composites: dict[Any, Callable[..., Any]] = {}  # in COMPOSITE_KERNELS while entered
         self._amp: list[Any] = []  # CudaAutocast and CudaGradScalers, while entered
 
     # -- context management ---------------------------------------------------------------
     def __enter__(self) -> CudaKernels:
         if _active:
             raise RuntimeError("a CudaKernels is already entered; enter one at a time")
+        kernels = {"dropout": self._dropout, "scaled_dot_product_attention": self._attention}
+        kernels.update((name, self._recurrent_kernel(name)) for name in _RECURRENT)
         library = torch.library.Library("aten", "IMPL")
         try:
             for key in _KEYS:
-                library.impl("dropout", self._dropout, key)
-                library.impl("scaled_dot_product_attention", self._attention, key)
-                for name in _RECURRENT:
-                    library.impl(name, self._recurrent_kernel(name), key)
+                for name, kernel in kernels.items():
+                    library.impl(name, kernel, key)
         except BaseException:
             library._destroy()
             raise
         self._library = library
+        # Under inference mode the autograd keys are skipped: the tracker decomposes these there
+        self._composites = {_first_op(name): kernel for name, kernel in kernels.items()}
+        COMPOSITE_KERNELS.update(self._composites)
         try:
             for amp in (
                 CudaAutocast(self.data_free, self._caveat, self._count),
@@ -239,6 +246,8 @@ class CudaKernels:
             _active.remove(self)
         while self._amp:
             self._amp.pop().__exit__(*exc_info)
+        for op in self._composites:
+            COMPOSITE_KERNELS.pop(op, None)
         library, self._library = self._library, None
         library._destroy()
 

@@ -151,6 +151,8 @@ class KnownValues:
         outputs = _tensors(out, {})
         if not outputs or sum(t.numel() for t in outputs) > KNOWN_LIMIT:
             return False
+        if any(t.layout is not torch.strided for t in outputs):
+            return False  # a value is kept on its storage, which a sparse tensor does not have
         if all(isinstance(t, FakeTensor) and t.constant is not None for t in outputs):
             return False  # FakeTensorMode made constants of them (a one-element literal)
         if tensors and all(isinstance(t, FakeTensor) and t.constant is not None for t in tensors):
@@ -289,12 +291,19 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
     return [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]
 
 
+def _cell(tensor: torch.Tensor) -> _Cell | None:
+    """The value cell on a fake tensor's storage (``None``: none, or no storage: a sparse tensor)."""
+    if not isinstance(tensor, FakeTensor) or tensor.layout is not torch.strided:
+        return None
+    return getattr(tensor.untyped_storage(), _CELL, None)
+
+
 def _assumed(tensor: torch.Tensor) -> bool:
-    cell = getattr(tensor.untyped_storage(), _CELL, None) if isinstance(tensor, FakeTensor) else None
+    cell = _cell(tensor)
     return cell is not None and cell.assumed
 
 
 def _invalidate(tensor: torch.Tensor) -> None:
-    cell = getattr(tensor.untyped_storage(), _CELL, None) if isinstance(tensor, FakeTensor) else None
+    cell = _cell(tensor)
     if cell is not None:
         cell.valid = False

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from memlab.sources.module_table import ModuleTable
 
-__all__ = ["CANNOT_SEE", "HOW", "Estimate", "EstimateError"]
+__all__ = ["CANNOT_SEE", "HOW", "RERUN", "Estimate", "EstimateError"]
 
 
 class EstimateError(ValueError):
@@ -34,6 +34,12 @@ HOW = {
     "meta": "meta tensors",
     "cpu": "a real run on CPU copies",
 }  # each method, said
+#: The caveat of an estimate that ran its step twice (fake tensors, given up; then CPU copies).
+RERUN = (
+    "fn ran twice, first on fake tensors until it needed a value they do not have (forced_by), then "
+    "for real on CPU copies (method 'cpu'): what it does besides computing on the objects an estimate "
+    "copies (printing, logging, writing files, counting its calls) happened in both runs"
+)
 _AT = ("peak", "end")
 CANNOT_SEE = (
     "cuDNN workspaces and temporaries inside one kernel, the CUDA context, NCCL buffers, memory "

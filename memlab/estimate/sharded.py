@@ -91,6 +91,7 @@ def copy_fully_sharded(copier: Copier, module: torch.nn.Module) -> torch.nn.Modu
     for state in states:
         for group in state._fsdp_param_groups:
             _check_supported(group, _describe(state._modules[0], names))
+            _check_group_exists(group, _describe(module, names))
             for fsdp_param in group.fsdp_params:
                 fsdp_params[id(fsdp_param.sharded_param)] = fsdp_param
     memo: dict[int, Any] = {}
@@ -181,6 +182,27 @@ def _check_supported(group: Any, where: str) -> None:
             raise EstimateError(
                 f"cannot estimate {where}: a parameter sharded over its own mesh is not supported"
             )
+
+
+def _check_group_exists(group: Any, where: str) -> None:
+    """An :class:`EstimateError` for an FSDP2 group sharded over a process group destroyed since
+    (a :func:`memlab.distributed.fake_group` left, ``destroy_process_group``): ``fully_shard``
+    cannot shard a copy over it."""
+    from memlab.distributed.fake import is_fake
+
+    process_group = getattr(group.mesh_info, "shard_process_group", None)
+    if process_group is None or process_group in torch.distributed.distributed_c10d._world.pg_names:
+        return
+    if is_fake(process_group):
+        raise EstimateError(
+            f"cannot estimate {where}: it was sharded with fully_shard inside memlab.distributed.fake_group"
+            f"({process_group.size()}, rank={process_group.rank()}), which has been left, so its process "
+            f"group no longer exists; call memlab.estimate inside the same `with fake_group(...)` block"
+        )
+    raise EstimateError(
+        f"cannot estimate {where}: it was sharded with fully_shard over a process group that has been "
+        f"destroyed (destroy_process_group); estimate it while the group exists"
+    )
 
 
 def _arguments(

@@ -43,10 +43,16 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 
+from memlab.estimate.fake_cache import FaithfulFakeTensorMode
 from memlab.estimate.known import KNOWN_LIMIT, KnownValues
 from memlab.estimate.modes import UnwrappedDispatch
+from memlab.estimate.result import EstimateError
 from memlab.history.recorder import capture_stack
 
 __all__ = ["FINITE", "HostValues", "ValueNeeded", "fake_mode_with_values", "stands_for"]
@@ -78,10 +84,26 @@ class _HostReads(ShapeEnv):
 
 
 def fake_mode_with_values() -> tuple[FakeTensorMode, HostValues]:
-    """A ``FakeTensorMode`` whose ``.item()`` gives unbacked symbols (input shapes stay static),
-    and the :class:`HostValues` to enter above it."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
-    return mode, HostValues(mode)
+    """A ``FakeTensorMode`` whose ``.item()`` gives unbacked symbols (input shapes stay static) and
+    whose dispatch cache keeps storage sharing (:mod:`memlab.estimate.fake_cache`), and the
+    :class:`HostValues` to enter above it."""
+    mode = FaithfulFakeTensorMode(allow_non_fake_inputs=True, static_shapes=True)
+    values = HostValues(mode)
+    mode.shape_env_on_demand = values.shapes  # for a nested jagged tensor's ragged size
+    return mode, values
+
+
+def _outside_modes(make_dummy: Callable[[], Any]) -> Callable[[], Any]:
+    """``torch/nested/_internal/nested_tensor.py``'s ``_nt_view_dummy``, which makes at the first
+    nested jagged tensor of the process a dummy one that PyTorch keeps for good, run outside the
+    estimate's modes: made inside a step it would be a fake tensor, counted by the first estimate of
+    the process (1 KiB) and left behind. A process whose steps make none is left without one."""
+
+    def dummy() -> Any:
+        with _disable_current_modes():
+            return make_dummy()
+
+    return dummy
 
 
 def stands_for(fake: torch.Tensor, real: torch.Tensor) -> None:
@@ -126,6 +148,10 @@ class HostValues(UnwrappedDispatch, TorchDispatchMode):
         for cls in _SYM:
             self._patch(cls, "__format__", self._format(cls.__dict__.get("__format__", object.__format__)))
         self._patch(FakeTensor, "numpy", self._numpy(FakeTensor.numpy))
+        self._patch(torch.Tensor, "numpy", _subclass_numpy(torch.Tensor.numpy))
+        nested = sys.modules.get("torch.nested._internal.nested_tensor")
+        if nested is not None and callable(getattr(nested, "_nt_view_dummy", None)):
+            self._patch(nested, "_nt_view_dummy", _outside_modes(nested._nt_view_dummy))
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -237,7 +263,7 @@ class HostValues(UnwrappedDispatch, TorchDispatchMode):
                 self.caveats.append(caveat)
 
     # -- host conversions fake tensors lack --------------------------------------------------------
-    def _patch(self, cls: type, name: str, function: Any) -> None:
+    def _patch(self, cls: Any, name: str, function: Any) -> None:
         self._patched[(cls, name)] = cls.__dict__.get(name)
         setattr(cls, name, function)
 
@@ -269,6 +295,25 @@ class HostValues(UnwrappedDispatch, TorchDispatchMode):
                 return torch.zeros(tensor.shape, dtype=tensor.dtype).numpy()
 
         return numpy
+
+
+def _subclass_numpy(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.numpy``, whose refusal of a tensor subclass (a nested jagged tensor, a DTensor) is
+    an :class:`EstimateError` naming the line: a real run fails there too."""
+
+    def numpy(tensor: Any, *, force: bool = False) -> Any:
+        try:
+            return original(tensor, force=force)
+        except (RuntimeError, TypeError) as error:
+            if "not supported for tensor subclasses" not in str(error):
+                raise
+            raise EstimateError(
+                f".numpy() of a {type(tensor).__name__} at {_where()}: PyTorch makes NumPy arrays of plain "
+                f"tensors only ({str(error).strip()!r}), so the step fails there on real tensors too; read a "
+                "plain tensor instead (a nested tensor's .values() or .unbind(), a DTensor's .to_local())"
+            ) from error
+
+    return numpy
 
 
 def _where() -> str:

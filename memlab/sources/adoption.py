@@ -117,6 +117,7 @@ class TrackerAdoption:
             raise ValueError("resume: the tracker has counted storages already; resume it before it counts")
         self._resumed = allocator
         self._resumed_workspaces = workspaces
+        self._limited = self._limited or getattr(allocator, "capacity", None) is not None
         for storage, handle in blocks:
             if self._allocator_for(storage.device) is not allocator:
                 raise ValueError(f"resume: every storage must be on one device; {storage.device} is another")

@@ -13,6 +13,7 @@ references and drained under the lock, the modelled GPU's cuBLAS workspaces, and
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from memlab._tensors import check_tensor
 from memlab.history import categories
 from memlab.history.recorder import capture_stack, make_history
 from memlab.sources.allocator import CachingAllocatorModel, ExactAllocator
+from memlab.sources.holds import refused_workspace
 from memlab.sources.storages import StorageRef, collect_storages
 from memlab.sources.workspaces import CublasWorkspaces
 
@@ -83,6 +85,7 @@ class TrackerDeviceMemory:
             return allocator, (allocator.malloc(nbytes) if nbytes else None)
         except torch.OutOfMemoryError as error:
             named = storage if storage is not None else torch.UntypedStorage(0, device=device)
+            self._refused = weakref.ref(storage) if storage is not None else refused_workspace
             self._out_of_memory(named, nbytes, error)
             raise
 
@@ -130,6 +133,7 @@ class TrackerDeviceMemory:
         try:
             handle = ref.allocator.malloc(nbytes) if nbytes else None
         except torch.OutOfMemoryError as error:
+            self._refused = weakref.ref(storage)
             self._out_of_memory(storage, nbytes, error)
             raise
         if ref.handle is not None:

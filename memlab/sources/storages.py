@@ -1,5 +1,5 @@
-"""How the tracker sees storages in an op: which outputs are new, and the weak reference that
-learns of a counted storage's release."""
+"""How the tracker sees storages in an op: which outputs are new (:class:`OpCounting`, a mixin of
+``TensorTracker``), and the weak reference that learns of a counted storage's release."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Any
 import torch
 
 from memlab._tensors import storages_of
+from memlab.sources.composites import has_composite_kernel
 from memlab.sources.resizes import resizable_arguments
+from memlab.sources.workspaces import workspace_ops
 
-__all__ = ["FRESH_ALIASES", "OpKind", "StorageRef", "collect_storages", "unpack"]
+__all__ = ["FRESH_ALIASES", "OpCounting", "OpKind", "StorageRef", "collect_storages", "unpack"]
 
 # Ops whose output aliases an input in their schema, yet hand back a storage created just before
 # the op outside the dispatcher (``torch.tensor([...])`` builds its data, then calls lift_fresh).
@@ -27,7 +29,7 @@ class StorageRef(weakref.ref):
 class OpKind:
     """What an op's schema says about its outputs, computed once per op."""
 
-    __slots__ = ("aliases", "fresh", "grows", "resizes_storage", "writes")
+    __slots__ = ("aliases", "composite", "fresh", "grows", "resizes_storage", "writes")
 
     def __init__(self, func: Any) -> None:
         infos = [ret.alias_info for ret in func._schema.returns]
@@ -37,6 +39,53 @@ class OpKind:
         self.grows = resizable_arguments(func)  # arguments whose storages it may grow (resize_, out=)
         # resizes its first argument's storage in place and returns nothing (FSDP under torch.compile)
         self.resizes_storage = func._schema.name == "inductor::resize_storage_bytes_"
+        # reaches a dispatch mode whole only where autograd is skipped (inference mode)
+        self.composite = has_composite_kernel(func)
+
+
+class OpCounting:
+    """The half of :class:`~memlab.sources.tracker.TensorTracker` that counts an op's new storages
+    (it reads the state the tracker's ``__init__`` sets: ``_lock``, ``_pending``, ``_live``,
+    ``allocator``, ``workspaces``)."""
+
+    def _count_op(
+        self, kind: OpKind, func: Any, args: Any, kwargs: Any, out: Any, before: Any, refused: Any
+    ) -> None:
+        """Count the storages ``func(*args, **kwargs)`` made or grew (``out``; ``before``: the sizes
+        of those it may grow), and the cuBLAS workspace it takes; with ``refused`` (a storage an
+        inner tracker refused) only the outputs before that one, and no workspace."""
+        with self._lock:  # threads run ops at once; the counting state is one
+            if self._pending:
+                self._drain()
+            if kind.resizes_storage:
+                self._count_resize(args[0].untyped_storage())
+            outputs: list[torch.UntypedStorage] = []
+            collect_storages(out, outputs)
+            inputs: set[int] | None = None
+            live = self._live
+            for storage in outputs:
+                if storage is refused:
+                    return
+                ref = live.get(id(storage))
+                if ref is not None:
+                    if kind.writes and ref.nbytes != storage.nbytes():
+                        self._resize(ref, storage)
+                elif kind.fresh:
+                    self._track(storage)
+                elif kind.aliases:
+                    if before and before.get(id(storage), storage.nbytes()) < storage.nbytes():
+                        self._track(storage)  # a storage not counted, grown here: its new block is new
+                else:
+                    # Some ops alias an input without saying so in their schema (_unsafe_view):
+                    # a storage that came in is never new.
+                    if inputs is None:
+                        found: list[torch.UntypedStorage] = []
+                        collect_storages((args, tuple(kwargs.values()) if kwargs else ()), found)
+                        inputs = {id(s) for s in found}
+                    if id(storage) not in inputs:
+                        self._track(storage)
+            if refused is None and self.allocator is not None and func.overloadpacket in workspace_ops():
+                self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[attr-defined]
 
 
 def collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:

@@ -7,10 +7,11 @@ alive exactly as long as the C++ storage). Each allocation and release is replay
 the device's allocator (by default the CUDA caching allocator), so a CPU or ``meta`` run reports the
 numbers a GPU would show.
 
-This module holds entering and exiting (threads, torch's mode stack) and the dispatch that decides
-which storages are new. The class's other halves are mixins, one concept each: the modelled device
-memory (:mod:`.device_memory`), adoption of what existed before (:mod:`.adoption`), categories and
-snapshots (:mod:`.categorising`) and the ``torch.cuda``-style readers (:mod:`.statistics`).
+This module holds entering and exiting (threads, torch's mode stack) and the dispatch. The class's
+other halves are mixins, one concept each: which of an op's storages are new (:mod:`.storages`),
+the modelled device memory (:mod:`.device_memory`), adoption of what existed before
+(:mod:`.adoption`), categories and snapshots (:mod:`.categorising`) and the ``torch.cuda``-style
+readers (:mod:`.statistics`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ from memlab._units import parse_size
 from memlab.history.recorder import make_history
 from memlab.sources.adoption import TrackerAdoption
 from memlab.sources.categorising import TrackerCategories
+from memlab.sources.composites import composite_kernel, run_composite
 from memlab.sources.constructors import follow_new_storages
 from memlab.sources.device_memory import ALLOCATORS, OOM_OBSERVERS, TrackerDeviceMemory
+from memlab.sources.holds import held, holding, settle
 from memlab.sources.modules import ModuleRecorder
 from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
-from memlab.sources.storages import OpKind, StorageRef, collect_storages, unpack
+from memlab.sources.storages import OpCounting, OpKind, StorageRef, collect_storages, unpack
 from memlab.sources.threads import follow_new_threads, unreachable_threads
-from memlab.sources.workspaces import CublasWorkspaces, workspace_ops
+from memlab.sources.workspaces import CublasWorkspaces
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
 
@@ -89,7 +92,7 @@ def _warm_up() -> None:
 
 
 class TensorTracker(
-    TrackerAdoption, TrackerCategories, TrackerDeviceMemory, TrackerStatistics, TorchDispatchMode
+    TrackerAdoption, TrackerCategories, TrackerDeviceMemory, TrackerStatistics, OpCounting, TorchDispatchMode
 ):
     """Count tensor storages as they are created and freed, and model the memory they would take.
 
@@ -160,9 +163,14 @@ class TensorTracker(
     the measured code, and backend choices that differ by device (e.g. attention kernels).
     It models one CUDA stream. It keeps no strong reference to any tensor or storage.
 
-    Trackers nest (the innermost one is :func:`active_tracker`). One exited before a mode entered
-    after it (out of order) counts nothing from then on; it stays on torch's mode stack, passing
-    every op through, until the modes above it are exited.
+    Grad modes: under ``torch.inference_mode()`` composite ops (``linear``, ``layer_norm``) reach
+    the tracker whole; it runs their decomposition, so it counts the ops, temporaries and cuBLAS
+    workspace it counts with autograd on (:mod:`memlab.sources.composites`).
+
+    Trackers nest (the innermost one is :func:`active_tracker`). A request an inner tracker with a
+    ``capacity`` refuses is counted by none of the trackers outside it (:mod:`memlab.sources.holds`).
+    One exited before a mode entered after it (out of order) counts nothing from then on; it stays
+    on torch's mode stack, passing every op through, until the modes above it are exited.
     """
 
     def __init__(
@@ -211,6 +219,8 @@ class TensorTracker(
         #: ``None``/``False`` (no history), ``True`` (unbounded) or ``max_entries`` per device.
         self.history = history
         self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
+        self._limited = self.capacity is not None  # can refuse a request (or a resumed allocator can)
+        self._refused: Any = lambda: None  # a weak reference to the storage of the last request refused
         self._new_allocator()  # reads PYTORCH_CUDA_ALLOC_CONF now: a bad setting fails here, not in an op
         self._allocators: dict[torch.device, Any] = {}
         self._resumed: Any = None  # the allocator the first device starts from (see resume)
@@ -358,40 +368,33 @@ class TensorTracker(
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = OpKind(func)
+        if kind.composite and self._entries and not self._left_behind:
+            # Under inference mode: decomposed here, seen as with autograd on (sources/composites.py)
+            kernel = composite_kernel(func, args, kwargs)
+            if kernel is not None:
+                return run_composite(self, kernel, args, kwargs)
         before = sizes_before(kind.grows, args, kwargs, collect_storages) if kind.grows else None
-        out = func(*args, **(kwargs or {}))
-        if not self._entries or self._left_behind:
-            return out  # exited (out of order, or before a thread it was inherited by ends): never count
-        with self._lock:  # threads run ops at once; the counting state is one
-            if self._pending:
-                self._drain()
-            if kind.resizes_storage:
-                self._count_resize(args[0].untyped_storage())
-            outputs: list[torch.UntypedStorage] = []
-            collect_storages(out, outputs)
-            inputs: set[int] | None = None
-            live = self._live
-            for storage in outputs:
-                ref = live.get(id(storage))
-                if ref is not None:
-                    if kind.writes and ref.nbytes != storage.nbytes():
-                        self._resize(ref, storage)
-                elif kind.fresh:
-                    self._track(storage)
-                elif kind.aliases:
-                    if before and before.get(id(storage), storage.nbytes()) < storage.nbytes():
-                        self._track(storage)  # a storage not counted, grown here: its new block is new
-                else:
-                    # Some ops alias an input without saying so in their schema (_unsafe_view):
-                    # a storage that came in is never new.
-                    if inputs is None:
-                        found: list[torch.UntypedStorage] = []
-                        collect_storages((args, tuple(kwargs.values()) if kwargs else ()), found)
-                        inputs = {id(s) for s in found}
-                    if id(storage) not in inputs:
-                        self._track(storage)
-            if self.allocator is not None and func.overloadpacket in workspace_ops():
-                self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[union-attr]
+        if not self._limited:
+            out = func(*args, **(kwargs or {}))
+            if not self._entries or self._left_behind:
+                return out  # exited (out of order, or before a thread it was inherited by ends): never count
+            counting = functools.partial(self._count_op, kind, func, args, kwargs, out, before)
+            if not held(counting):  # a tracker above with a capacity decides first (sources/holds.py)
+                counting(None)
+            return out
+        with holding() as frame:
+            try:
+                out = func(*args, **(kwargs or {}))
+            except BaseException:
+                settle(frame)
+                raise
+        try:
+            if self._entries and not self._left_behind:
+                self._count_op(kind, func, args, kwargs, out, before, None)
+        except torch.OutOfMemoryError:
+            settle(frame, self._refused())
+            raise
+        settle(frame)
         return out
 
     def _storage_resized(self, storage: torch.UntypedStorage) -> None:

@@ -80,3 +80,59 @@ def test_bad_arguments_are_typed_errors(arguments, error, message):
         pass
     assert str(caught.value) == message
     assert not dist.is_initialized()
+
+
+# -- object collectives: what a real group of that size gives this rank --------------------------------
+SIZES_AND_RANKS = [(1, 0), (4, 0), (4, 2)]
+
+
+@pytest.mark.parametrize(("world_size", "rank"), SIZES_AND_RANKS)
+def test_all_gather_object_gives_world_size_copies_of_this_ranks_object(world_size, rank):
+    mine = {"rank": rank, "shape": [2, 3]}
+    with fake_group(world_size, rank):
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+    assert gathered == [{"rank": rank, "shape": [2, 3]}] * world_size
+    assert all(copy is not mine for copy in gathered)  # unpickled, as a real group's are
+
+
+@pytest.mark.parametrize(("world_size", "rank"), SIZES_AND_RANKS)
+def test_gather_object_fills_the_destinations_list_and_leaves_the_others(world_size, rank):
+    with fake_group(world_size, rank):
+        here: list = [None] * world_size
+        dist.gather_object(("rank", rank), here, dst=rank)  # this rank is the destination
+        elsewhere = None
+        if world_size > 1:
+            dist.gather_object(("rank", rank), elsewhere, dst=(rank + 1) % world_size)
+    assert here == [("rank", rank)] * world_size
+    assert elsewhere is None
+
+
+@pytest.mark.parametrize(("world_size", "rank"), SIZES_AND_RANKS)
+def test_the_source_keeps_its_broadcast_list_and_gets_its_scattered_item(world_size, rank):
+    with fake_group(world_size, rank):
+        objects = ["config", 7, None]
+        dist.broadcast_object_list(objects, src=rank)
+        received: list = [None]
+        dist.scatter_object_list(received, [f"item {i}" for i in range(world_size)], src=rank)
+    assert objects == ["config", 7, None]
+    assert received == [f"item {rank}"]
+
+
+def test_gather_and_scatter_of_tensors_on_the_root_fill_as_an_all_gather_does():
+    with fake_group(4, rank=2):
+        slots = [torch.zeros(2) for _ in range(4)]
+        dist.gather(torch.tensor([1.0, 2.0]), slots, dst=2)
+        out = torch.zeros(2)
+        dist.scatter(out, [torch.full((2,), float(i)) for i in range(4)], src=2)
+    assert [slot.tolist() for slot in slots] == [[1.0, 2.0]] * 4
+    assert out.tolist() == [2.0, 2.0]  # this rank's slot
+
+
+def test_the_object_collectives_are_put_back_when_the_group_is_left():
+    originals = (dist.broadcast_object_list, dist.scatter_object_list, dist.recv_object_list)
+    with fake_group(2):
+        assert dist.broadcast_object_list is not originals[0]
+        assert dist.distributed_c10d.broadcast_object_list is dist.broadcast_object_list
+    assert (dist.broadcast_object_list, dist.scatter_object_list, dist.recv_object_list) == originals
+    assert dist.distributed_c10d.scatter_object_list is originals[1]

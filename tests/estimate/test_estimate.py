@@ -649,3 +649,63 @@ def test_the_estimate_hands_its_gpu_to_cudas_kernels(monkeypatch):
     memlab.estimate(step, layer, x, device="cuda")
     assert made == ["L4", "H100"]
     assert kernels.CudaKernels().gpu.name == "H100"
+
+
+# -- grad modes --------------------------------------------------------------------------------------
+class TinyAttention(torch.nn.Module):
+    """One projection and causal scaled-dot-product attention in float16 (2 x 4 heads x 16 x 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 16, 3, 4, 16).permute(2, 0, 3, 1, 4).half().unbind(0)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_an_estimate_under_inference_mode_counts_the_workspace_as_under_no_grad(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    with torch.no_grad(), memlab.TensorTracker(gpu="H100") as tracker:  # ground truth: a tracked run
+        model(x)
+    with mode():
+        estimate = memlab.estimate(lambda model, x: model(x), model, x, device="cuda", gpu="H100")
+    assert estimate.by_category("peak")["workspace"] == WORKSPACE
+    # the first Linear's output (32x256 float32), the workspace, ReLU's output; the input counted too
+    assert tracker.max_memory_allocated() == 32_768 + WORKSPACE + 32_768
+    assert estimate.by_category("peak")["input"] == 8_192
+    parameters = estimate.by_category("peak")["parameter"]
+    assert estimate.peak_allocated - 8_192 - parameters == 32_768 + WORKSPACE + 32_768
+
+
+def test_an_estimate_under_inference_mode_runs_cudas_attention_as_under_no_grad():
+    model, x = TinyAttention(), torch.randn(2, 16, 64)
+    with torch.no_grad():
+        no_grad = memlab.estimate(lambda model, x: model(x), model, x, device="cuda", gpu="A100")
+    with torch.inference_mode():
+        inference = memlab.estimate(lambda model, x: model(x), model, x, device="cuda", gpu="A100")
+    assert no_grad.substituted == inference.substituted == {"scaled_dot_product_attention": 1}
+    assert [inference.stats[key] for key in KEYS] == [no_grad.stats[key] for key in KEYS]
+    assert inference.by_category("peak") == no_grad.by_category("peak")
+
+
+def test_a_step_rerun_on_cpu_copies_says_it_ran_twice(capsys):
+    from memlab.estimate.result import RERUN
+
+    def step(model, x):
+        print("called")  # a side effect outside the objects an estimate copies and puts back
+        hidden = model(x)
+        if hidden.mean() > 100:  # a value the fake run has not: the estimate runs again, for real
+            hidden = hidden * 2
+        return hidden.sum()
+
+    estimate = memlab.estimate(step, torch.nn.Linear(16, 16), torch.randn(4, 16))
+    assert estimate.method == "cpu"
+    assert capsys.readouterr().out == "called\ncalled\n"
+    assert estimate.caveats == [RERUN]
+    assert f"caveat: {RERUN}" in repr(estimate)
+    fake = memlab.estimate(lambda model, x: model(x).sum(), torch.nn.Linear(16, 16), torch.randn(4, 16))
+    assert (fake.method, fake.caveats) == ("fake", [])

@@ -282,3 +282,27 @@ def failure(lines: list[str]) -> list[str]:
     start = next(i for i, line in enumerate(lines) if "FAILURES" in line) + 1
     end = next(i for i, line in enumerate(lines) if line.startswith("test_file.py:4: ")) + 1
     return lines[start:end]
+
+
+NESTED_CAPACITY = """\
+import pytest
+import torch
+
+import memlab
+
+
+def test_nested_capacity():
+    a = torch.empty(1024 * 1024)
+    with memlab.TensorTracker(capacity="8 MiB"), pytest.raises(torch.OutOfMemoryError):
+        torch.empty(4 * 1024 * 1024)  # 16 MiB: refused by the test's own tracker, allocated by no GPU
+"""
+
+
+def test_a_request_a_tracker_in_the_test_refuses_is_not_in_the_table(pytester):
+    result = run(pytester, NESTED_CAPACITY, "--memlab")
+    result.assert_outcomes(passed=1)
+    header = " allocated   reserved  device  test"
+    assert block(result.outlines, header, 2) == [
+        header,
+        "     4.00M     20.00M  cpu     test_file.py::test_nested_capacity",
+    ]

@@ -359,3 +359,27 @@ def test_a_tracker_on_a_real_gpu_allocates_no_workspace_the_gpus_allocator_holds
     assert tracker.by_category("cuda")["workspace"] == 0
     assert tracker.workspaces.keys == []
     del c
+
+
+# -- grad modes: the GPU's first matmul takes the workspace whatever the mode ---------------------------
+def mlp_forward_peak(mode: type) -> tuple[int, int, int]:
+    """Peak and current allocated bytes, and the workspace bytes, of a two-Linear forward under
+    ``mode()`` (``torch.no_grad`` or ``torch.inference_mode``), tracked on an H100 model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    with mode(), memlab.TensorTracker(gpu="H100", history=True) as tracker:
+        out = model(x)
+    stats = tracker.memory_stats()
+    assert out.shape == (32, 64)
+    workspace = tracker.by_category()["workspace"]
+    return stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"], workspace
+
+
+def test_inference_mode_takes_the_workspace_as_no_grad_does():
+    # Under inference mode aten.linear reaches the tracker whole (autograd, which decomposes it into
+    # t and addmm, is skipped); the tracker decomposes it and sees the addmm that takes the handle.
+    # Peak: the first Linear's output (32x256 float32 = 32,768 B), the workspace, and ReLU's output.
+    expected = 32_768 + H100_WORKSPACE + 32_768
+    assert mlp_forward_peak(torch.no_grad) == (expected, 8_192 + H100_WORKSPACE, H100_WORKSPACE)
+    assert mlp_forward_peak(torch.inference_mode) == (expected, 8_192 + H100_WORKSPACE, H100_WORKSPACE)
