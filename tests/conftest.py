@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -16,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def forget_the_dummy_nested_tensor():
+    """PyTorch keeps, from the first nested jagged tensor of a process, a dummy one (two meta
+    tensors): forgotten after each test, so that later tests that count the tensors alive before
+    they profile do not find it (it is made again when needed)."""
+    yield
+    nested_tensor = sys.modules.get("torch.nested._internal.nested_tensor")
+    if nested_tensor is not None:
+        nested_tensor._dummy_instance = None

@@ -20,17 +20,6 @@ aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def forget_the_dummy_nested_tensor():
-    """PyTorch keeps, from the first nested jagged tensor of a process, a dummy one (two meta
-    tensors): forgotten after each test, so that later tests that count the tensors alive before
-    they profile do not find it (it is made again when needed)."""
-    yield
-    from torch.nested._internal import nested_tensor
-
-    nested_tensor._dummy_instance = None
-
-
 def test_three_estimates_in_a_fresh_process_are_equal_byte_for_byte_and_event_for_event():
     # The LSTM's backward (mkldnn_rnn_layer_backward) returns its bias gradient twice; the first call
     # in the process (a cache miss) gave one storage for both, the later ones (hits) two.

@@ -216,7 +216,10 @@ def test_nothing_happens_at_import_or_decoration_time(tmp_path):
 
         registered = atexit._ncallbacks() - callbacks
         state = (sys.gettrace(), threading.gettrace(), torch.cuda.is_initialized(), registered)
-        assert state == (None, None, False, 0), state
+        # one exit hook: the line on calls that ran in DataLoader workers, which only the process
+        # that decorated can print (a function called only in workers has no table to follow);
+        # without such calls it prints nothing (the output below is empty)
+        assert state == (None, None, False, 1), state
         """,
     )
     assert out == ""

@@ -12,17 +12,6 @@ from memlab.sources.composites import COMPOSITE_KERNELS, composite_kernel, has_c
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True)
-def forget_the_dummy_nested_tensor():
-    """PyTorch keeps, from the first nested jagged tensor of a process, a dummy one (two meta
-    tensors): forgotten after each test, so that later tests that count the tensors alive before
-    they profile do not find it (it is made again when needed)."""
-    yield
-    from torch.nested._internal import nested_tensor
-
-    nested_tensor._dummy_instance = None
-
-
 def layer_norm_peak(mode: type) -> int:
     """Peak allocated bytes of a layer norm of a 64x1024 float32 tensor under ``mode()``."""
     x, weight, bias = torch.randn(64, 1024), torch.ones(1024), torch.zeros(1024)
