@@ -81,6 +81,16 @@ def _fsdp_module_class() -> type | None:
 
 
 # -- FSDP2 -------------------------------------------------------------------------------------------
+def _param_groups(state: Any) -> list[Any]:
+    """FSDP2's parameter groups of one ``fully_shard`` state: the list ``_fsdp_param_groups``
+    (torch 2.13), or the one optional ``_fsdp_param_group`` (torch 2.11)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def copy_fully_sharded(copier: Copier, module: torch.nn.Module) -> torch.nn.Module:
     """A data-free copy of ``module`` with ``fully_shard`` re-applied to the copies of the modules it
     was applied to; the copier remembers each original sharded parameter's copy (optimizers copied
@@ -89,7 +99,7 @@ def copy_fully_sharded(copier: Copier, module: torch.nn.Module) -> torch.nn.Modu
     names = {id(sub): name for name, sub in module.named_modules()}
     fsdp_params = {}
     for state in states:
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             _check_supported(group, _describe(state._modules[0], names))
             _check_group_exists(group, _describe(module, names))
             for fsdp_param in group.fsdp_params:
@@ -109,14 +119,14 @@ def copy_fully_sharded(copier: Copier, module: torch.nn.Module) -> torch.nn.Modu
 
     # A module whose parameters all belong to its children's groups (a root, often) keeps no mesh:
     # it was sharded over its children's (the default mesh, unless one was given).
-    mesh = next((g.mesh_info.mesh for state in states for g in state._fsdp_param_groups), None)
+    mesh = next((g.mesh_info.mesh for state in states for g in _param_groups(state)), None)
 
     for state in states:
         copies = [modules[id(m)] for m in state._modules]
         arguments = _arguments(state, memo, ignored, mesh)
         fully_shard(copies if len(copies) > 1 else copies[0], **arguments)
         new_state = fully_shard.state(copies[0])
-        for old_group, new_group in zip(state._fsdp_param_groups, new_state._fsdp_param_groups, strict=True):
+        for old_group, new_group in zip(_param_groups(state), _param_groups(new_state), strict=True):
             for name in _GROUP_SETTINGS:
                 if hasattr(old_group, name):
                     setattr(new_group, name, getattr(old_group, name))
@@ -210,7 +220,7 @@ def _arguments(
 ) -> dict[str, Any]:
     """The arguments ``fully_shard`` was called with for ``state``, read back from it, for copies
     (``mesh`` for a state without parameters of its own)."""
-    group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
+    group = next(iter(_param_groups(state)), None)
     arguments: dict[str, Any] = {"mp_policy": state._mp_policy, "ignored_params": ignored, "mesh": mesh}
     if group is None:
         return arguments
