@@ -34,10 +34,13 @@ def test_collectives_complete_at_once_with_their_outputs_and_move_no_data():
         assert tensor.tolist() == [0.0, 1.0, 2.0]  # not summed over four ranks
         # every rank is taken to hold what this one holds
         gathered = torch.zeros(8)
-        dist.all_gather_single(gathered, torch.tensor([5.0, 6.0]))
+        # torch 2.13's names; 2.11 has only the older all_gather_into_tensor, reduce_scatter_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather(gathered, torch.tensor([5.0, 6.0]))
         assert gathered.tolist() == [5.0, 6.0] * 4
         out = torch.zeros(1)
-        dist.reduce_scatter_single(out, torch.ones(4))
+        reduce_scatter(out, torch.ones(4))
         assert out.tolist() == [0.0]
         dist.barrier()
 
