@@ -15,7 +15,9 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from memlab import _call_watches
+from memlab import _call_watches, _torch_version
+
+_torch_version.check_supported()
 
 if TYPE_CHECKING:
     import os
