@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from memlab.sources.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
 __all__ = ["Allocation", "MemorySeries", "Segments", "memory_series"]
 
 
-@dataclass(frozen=True)
-class Allocation:
+class Allocation(NamedTuple):
     """One block of a replayed trace: allocated after event ``start`` (an index into
     :class:`MemorySeries`' lists), freed by event ``end`` (``None``: still live when the trace
     ends), with its granted and requested bytes, category and stack (the trace entry's list of
@@ -180,5 +179,5 @@ def memory_series(
     if peak_entry is not None and peak_entry.get("frames"):
         frame = peak_entry["frames"][0]
         series.peak_frame = (frame["filename"], frame["line"], frame["name"])
-    series.allocations = [Allocation(*block) for block in blocks]
+    series.allocations = [Allocation._make(block) for block in blocks]
     return series
