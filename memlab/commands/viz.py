@@ -132,7 +132,8 @@ class VizCommand:
                     title=os.path.basename(args.snapshot),
                 )
             except ValueError as error:
-                raise CommandError(f"snapshot {args.snapshot}: {error}") from None
+                hint = "; its segments alone: --viewer pytorch --segments" if data["segments"] else ""
+                raise CommandError(f"snapshot {args.snapshot}: {error}{hint}") from None
         try:
             write_text(output, html)
         except OSError as error:  # checked before, so the disk filled up or the folder went away
