@@ -1304,9 +1304,9 @@ def test_memory_page_of_a_snapshot_without_a_trace_says_how_to_record_one() -> N
             "devices with entries: [0]; its segments alone: --viewer pytorch --segments",
         ),
         (
-            ["--segments"],
-            "--segments draws PyTorch's Allocator State History, which needs --viewer pytorch "
-            "(its page loads PyTorch's viewer from the web)",
+            ["--segments", "--viewer", "memlab"],
+            "--segments draws PyTorch's Allocator State History, which only --viewer pytorch draws "
+            "(its page loads PyTorch's viewer from the web); memlab's page draws the timeline",
         ),
     ],
 )

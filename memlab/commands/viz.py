@@ -53,8 +53,8 @@ class VizCommand:
             "in one self-contained file that references nothing outside itself (it opens offline, on "
             "a cluster node). With --viewer pytorch it writes PyTorch's own page through "
             "torch.cuda._memory_viz: the Active Memory Timeline (trace_plot), or with --segments the "
-            "Allocator State History (segment_plot). That page embeds the snapshot but loads PyTorch's "
-            "viewer script (MemoryViz.js) from the web, from cdn.jsdelivr.net (a mirror of PyTorch's "
+            "Allocator State History (segment_plot; --segments alone means --viewer pytorch). That page "
+            "embeds the snapshot but loads PyTorch's viewer script (MemoryViz.js) from the web, from cdn.jsdelivr.net (a mirror of PyTorch's "
             "GitHub repository), so it needs an internet connection to display."
         )
         parser.add_argument("snapshot", help="the snapshot pickle to render")
@@ -67,8 +67,8 @@ class VizCommand:
         parser.add_argument(
             "--viewer",
             choices=("memlab", "pytorch"),
-            default="memlab",
-            help="memlab: drawn by memlab, offline (default); pytorch: PyTorch's viewer, needs network",
+            help="memlab: drawn by memlab, offline (the default); pytorch: PyTorch's viewer, which needs "
+            "network to display (the default with --segments)",
         )
         parser.add_argument(
             "--stack",
@@ -100,15 +100,17 @@ class VizCommand:
         parser.add_argument(
             "--segments",
             action="store_true",
-            help="with --viewer pytorch: render the Allocator State History (segments and blocks over time)",
+            help="render PyTorch's Allocator State History (segments and blocks over time) with PyTorch's "
+            "viewer, which needs network to display",
         )
 
     def run(self, args: argparse.Namespace) -> int:
         output, name = _output(args.snapshot, args.output)
-        if args.segments and args.viewer != "pytorch":
+        viewer = args.viewer or ("pytorch" if args.segments else "memlab")
+        if args.segments and viewer != "pytorch":
             raise CommandError(
-                "--segments draws PyTorch's Allocator State History, which needs --viewer pytorch "
-                "(its page loads PyTorch's viewer from the web)"
+                "--segments draws PyTorch's Allocator State History, which only --viewer pytorch draws "
+                "(its page loads PyTorch's viewer from the web); memlab's page draws the timeline"
             )
         try:
             check_output_path(output, name, (".html", ".htm"))
@@ -117,7 +119,7 @@ class VizCommand:
         if _same_file(output, args.snapshot):
             raise CommandError(f"{name} {output} is the snapshot itself: name another file with -o FILE")
         data = read_snapshot(args.snapshot)
-        if args.viewer == "pytorch":
+        if viewer == "pytorch":
             from torch.cuda import _memory_viz
 
             html = _memory_viz.segment_plot(data) if args.segments else _memory_viz.trace_plot(data)

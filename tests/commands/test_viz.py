@@ -50,7 +50,7 @@ def test_viz_viewer_pytorch_writes_the_active_memory_timeline(
 
 def test_viz_segments_defaults_to_the_snapshots_name(snapshot: tuple[Path, dict[str, Any]]) -> None:
     path, data = snapshot
-    assert main(["viz", str(path), "--segments", "--viewer", "pytorch"]) == 0
+    assert main(["viz", str(path), "--segments"]) == 0  # PyTorch's viewer: only it draws segments
     html = path.with_suffix(".html").read_text()
     assert _embedded(html) == data
     assert "add_local_files(local_files, 'Allocator State History')" in html
@@ -228,13 +228,13 @@ def test_viz_page_is_the_same_bytes_for_the_same_snapshot(
     assert (tmp_path / "one.html").read_bytes() == (tmp_path / "two.html").read_bytes()
 
 
-def test_viz_segments_without_viewer_pytorch_is_one_line(
+def test_viz_segments_with_viewer_memlab_is_one_line(
     snapshot: tuple[Path, dict[str, Any]], capsys: Any
 ) -> None:
     path, _ = snapshot
-    assert main(["viz", str(path), "--segments"]) == 2
+    assert main(["viz", str(path), "--segments", "--viewer", "memlab"]) == 2
     assert capsys.readouterr().err == (
-        "memlab viz: error: --segments draws PyTorch's Allocator State History, which needs --viewer pytorch "
-        "(its page loads PyTorch's viewer from the web)\n"
+        "memlab viz: error: --segments draws PyTorch's Allocator State History, which only --viewer pytorch "
+        "draws (its page loads PyTorch's viewer from the web); memlab's page draws the timeline\n"
     )
     assert not path.with_suffix(".html").exists()
