@@ -54,8 +54,9 @@ class VizCommand:
             "a cluster node). With --viewer pytorch it writes PyTorch's own page through "
             "torch.cuda._memory_viz: the Active Memory Timeline (trace_plot), or with --segments the "
             "Allocator State History (segment_plot; --segments alone means --viewer pytorch). That page "
-            "embeds the snapshot but loads PyTorch's viewer script (MemoryViz.js) from the web, from cdn.jsdelivr.net (a mirror of PyTorch's "
-            "GitHub repository), so it needs an internet connection to display."
+            "embeds the snapshot but loads PyTorch's viewer script (MemoryViz.js) from the web, from "
+            "cdn.jsdelivr.net (a mirror of PyTorch's GitHub repository), so it needs an internet "
+            "connection to display."
         )
         parser.add_argument("snapshot", help="the snapshot pickle to render")
         parser.add_argument(
