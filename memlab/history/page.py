@@ -219,7 +219,7 @@ def memory_page(
     peak_block = next((a for a in series.allocations if a.start == series.peak), None)
     if peak_block is not None and peak_block.frames:
         where = f"at {_where(peak_block.frames)}"
-    label = f"peak {format_size(peak_bytes)} {where}"
+    label = f"peak {format_size(peak_bytes)} " + (where if where.startswith("at ") else f"({where})")
     bands = _bands(series, events, stack)
     svg = timeline_svg(
         events, total, bands, [series.reserved[e] for e in events], (series.peak, peak_bytes, label)

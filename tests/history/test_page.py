@@ -60,7 +60,10 @@ def test_a_100k_event_page_draws_at_most_the_points_asked_and_keeps_the_spike(
     assert spike in points["events"]
     assert points["allocated"][points["events"].index(spike)] == peak
     assert len(page.encode()) < 300_000
-    assert Page(page).errors == []
+    parsed = Page(page)
+    assert parsed.errors == []
+    assert f"peak {format_size(peak)} (no Python frame recorded)" in parsed.titles  # a model records no stack
+    assert parsed.rows[1][5] == "(no stack recorded)"
 
 
 def test_the_peak_table_is_capped_at_top_rows_and_sums_the_rest(long_run: tuple[dict, int, int]) -> None:
