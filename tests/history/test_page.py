@@ -6,6 +6,7 @@ import inspect
 import json
 import re
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -111,6 +112,8 @@ def test_a_frame_with_markup_characters_is_escaped_everywhere(tmp_path: Path) ->
         parsed = Page(page)
         assert parsed.errors == []
         assert "<b>" not in page and "<i>" not in page
+        svg = ElementTree.fromstring(re.search(r"<svg .*?</svg>", page, re.S).group(0))  # well-formed XML too
+        assert "peak 1.50K at weird <b>&\"'.py:1" in [title.text for title in svg.iter("title")]
         assert "weird &lt;b&gt;&amp;&quot;&#x27;.py:1" in page
         assert parsed.rows[1][5].split("\n")[0] == f"{weird}:1 in <module>"
         assert "peak 1.50K at weird <b>&\"'.py:1" in parsed.titles
