@@ -14,6 +14,7 @@ from typing import Any
 
 from memlab._units import check_count, format_size
 from memlab._user_code import is_library_file
+from memlab.history.categories import WORKSPACE
 from memlab.history.series import Allocation, MemorySeries, memory_series
 from memlab.history.timeline_svg import PALETTE, Band, sample_events, timeline_svg
 
@@ -148,12 +149,30 @@ def _bands(series: MemorySeries, events: list[int], stack: str) -> list[Band]:
     return bands
 
 
-def _peak_table(series: MemorySeries, top: int) -> str:
-    """The ``top`` largest allocations alive right after the peak event (granted bytes, then the
-    earliest first), and a last row that sums the others."""
+def _alive_at_peak(series: MemorySeries) -> list[Allocation]:
+    """The allocations alive right after the peak event, the largest (granted bytes) first, then
+    the earliest."""
     peak = series.peak
     alive = [a for a in series.allocations if a.start <= peak and (a.end is None or peak < a.end)]
-    alive.sort(key=lambda a: (-a.granted, a.start))
+    return sorted(alive, key=lambda a: (-a.granted, a.start))
+
+
+def _workspaces(alive: Sequence[Allocation]) -> str:
+    """``, of which 64.00M (67,108,864 B) are 2 cuBLAS workspaces`` when workspace blocks are
+    among ``alive`` (memlab's trackers model them on runs without a GPU), else nothing."""
+    blocks = [a.granted for a in alive if a.category == WORKSPACE]
+    if not blocks:
+        return ""
+    plural = "s" if len(blocks) > 1 else ""
+    return (
+        f", of which {format_size(sum(blocks))} ({sum(blocks):,} B) in {len(blocks)} cuBLAS workspace{plural}"
+    )
+
+
+def _peak_table(series: MemorySeries, alive: list[Allocation], top: int) -> str:
+    """The ``top`` largest of ``alive`` (the allocations alive at the peak, largest first), and a
+    last row that sums the others."""
+    peak = series.peak
     rows = []
     for rank, block in enumerate(alive[:top], 1):
         rows.append(
@@ -243,11 +262,12 @@ def memory_page(
             "reserved, and the peak)"
         )
     )
+    alive = _alive_at_peak(series)
     summary = (
-        f"Peak allocated {format_size(peak_bytes)} ({peak_bytes:,} B) "
-        f"after event {series.peak:,} of {total:,} "
-        f"({html.escape(where)}); peak reserved {format_size(max(series.reserved))} "
-        f"({max(series.reserved):,} B). {drawn}; allocated stacked by {stack}."
+        f"Peak allocated {format_size(peak_bytes)} ({peak_bytes:,} B) after event {series.peak:,} of "
+        f"{total:,} ({html.escape(where)}){_workspaces(alive)}; peak reserved "
+        f"{format_size(max(series.reserved))} ({max(series.reserved):,} B). {drawn}; allocated stacked "
+        f"by {stack}."
     )
     return (
         "<!DOCTYPE html>\n"
@@ -255,7 +275,7 @@ def memory_page(
         f"<title>memlab: {html.escape(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n"
         f"<h1>Memory of {html.escape(title)}</h1>\n<p>{summary}</p>\n{svg}\n"
         f'<p id="readout"></p>\n<p class="legend">{legend}</p>\n'
-        f"<h2>Largest allocations alive at the peak</h2>\n{_peak_table(series, top)}\n"
+        f"<h2>Largest allocations alive at the peak</h2>\n{_peak_table(series, alive, top)}\n"
         f'<script type="application/json" id="memlab-points">{points_json}</script>\n'
         f"<script>{_SCRIPT}</script>\n</body>\n</html>\n"
     )

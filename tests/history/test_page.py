@@ -155,3 +155,29 @@ def test_stacked_by_category_the_highest_band_is_the_allocated_line() -> None:
     bands = [vertices(a["d"]) for t, a in parsed.elements if t == "path" and a.get("class") == "band"]
     allocated = vertices(parsed.element("path", id="allocated")["d"])
     assert bands[0][1:-1] == allocated
+
+
+def test_the_first_line_says_how_much_of_the_peak_is_cublas_workspaces() -> None:
+    with memlab.TensorTracker(history=True) as tracker:
+        a = torch.ones(8, 8)
+        b = a @ a
+        line = inspect.currentframe().f_lineno - 1
+    snapshot = tracker.snapshot()
+    workspaces = [
+        block["size"]
+        for segment in snapshot["segments"]
+        for block in segment["blocks"]
+        if block["category"] == "workspace"
+    ]
+    assert len(workspaces) == 1
+    peak = sum(_round(t.nbytes) for t in (a, b)) + workspaces[0]
+    summary = re.search(r"<p>(Peak .*?)</p>", memory_page(snapshot)).group(1)
+    assert summary.startswith(
+        f"Peak allocated {format_size(peak)} ({peak:,} B) after event 2 of 3 (at test_page.py:{line}), "
+        f"of which {format_size(workspaces[0])} ({workspaces[0]:,} B) in 1 cuBLAS workspace; peak reserved "
+    )
+
+
+def _round(nbytes: int) -> int:
+    """The bytes the CUDA caching allocator grants a request: a multiple of 512 B."""
+    return -(-nbytes // 512) * 512
