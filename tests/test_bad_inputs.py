@@ -1229,3 +1229,95 @@ def test_a_nested_jagged_tensor_and_numpy_in_a_step_are_estimated() -> None:
         f".numpy() at {__file__}:{line}: return (nested * 2).values().detach().numpy().sum() read values the "
         "estimate does not have: it gave zeros"
     ]
+
+
+# -- issue 26: viz ----
+
+
+@pytest.fixture
+def viz_run(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """``run.pickle``: a tracked run of one 4,000 B tensor; and its snapshot."""
+    with memlab.TensorTracker(history=True) as tracker:
+        kept = torch.ones(1000)
+    assert kept.nbytes == 4000
+    memlab.dump_snapshot(tmp_path / "run.pickle", tracker)
+    return tmp_path / "run.pickle", tracker.snapshot()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"stack": "bands"}, ValueError, "stack must be one of category, largest; got 'bands'"),
+        ({"points": 15}, ValueError, "points must be >= 16, got 15"),
+        ({"points": 2000.0}, TypeError, "points must be an int, got float 2000.0"),
+        ({"top": 0}, ValueError, "top must be >= 1, got 0"),
+        ({"top": True}, TypeError, "top must be an int, got bool True"),
+        ({"device": 1}, ValueError, "the snapshot has no trace entries for device 1: record them with"),
+    ],
+)
+def test_memory_page_rejects_a_bad_argument_naming_it(
+    viz_run: tuple[Path, dict[str, Any]], kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    from memlab.history.page import memory_page
+
+    with pytest.raises(error) as raised:
+        memory_page(viz_run[1], **kwargs)
+    assert str(raised.value).startswith(message)
+
+
+def test_memory_page_of_a_snapshot_without_a_trace_says_how_to_record_one() -> None:
+    from memlab.history.page import memory_page
+
+    with pytest.raises(ValueError) as raised:
+        memory_page({"segments": [], "device_traces": [[]]})
+    assert str(raised.value) == (
+        "the snapshot has no trace entries for device 0: record them with memlab.TensorTracker(history=True) "
+        "(or torch.cuda.memory._record_memory_history() on a GPU); devices with entries: none"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--points", "5"],
+            "argument --points: must be a whole number of at least 16, got '5' (see memlab viz --help)",
+        ),
+        (
+            ["--top", "0"],
+            "argument --top: must be a whole number of at least 1, got '0' (see memlab viz --help)",
+        ),
+        (
+            ["--stack", "bands"],
+            "argument --stack: invalid choice: 'bands' (choose from 'category', 'largest') "
+            "(see memlab viz --help)",
+        ),
+        (
+            ["--viewer", "web"],
+            "argument --viewer: invalid choice: 'web' (choose from 'memlab', 'pytorch') "
+            "(see memlab viz --help)",
+        ),
+        (
+            ["--device", "2"],
+            "snapshot {run}: the snapshot has no trace entries for device 2: record them with "
+            "memlab.TensorTracker(history=True) (or torch.cuda.memory._record_memory_history() on a GPU); "
+            "devices with entries: [0]; its segments alone: --viewer pytorch --segments",
+        ),
+        (
+            ["--segments", "--viewer", "memlab"],
+            "--segments draws PyTorch's Allocator State History, which only --viewer pytorch draws "
+            "(its page loads PyTorch's viewer from the web); memlab's page draws the timeline",
+        ),
+    ],
+)
+def test_viz_bad_options_are_one_line_errors_and_write_nothing(
+    viz_run: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any, args: list[str], message: str
+) -> None:
+    run, _ = viz_run
+    try:
+        status = main(["viz", str(run), "-o", str(tmp_path / "page.html"), *args])
+    except SystemExit as exit_:  # argparse's own errors leave through SystemExit
+        status = exit_.code
+    assert status == 2
+    assert capsys.readouterr().err == f"memlab viz: error: {message.format(run=run)}\n"
+    assert not (tmp_path / "page.html").exists()

@@ -65,6 +65,8 @@ LAYERS = {
     "memlab.history.export": 3,
     "memlab.history.series": 3,
     "memlab.history.plot": 3,
+    "memlab.history.timeline_svg": 3,
+    "memlab.history.page": 3,
     "memlab.history.recording": 3,
     # 4: the line profiler, the reporter, courtesy
     "memlab.line_profiler": 4,

@@ -127,7 +127,8 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     What it cannot show: time (events are evenly spaced however long apart they were), what a
     trace does not record (see :func:`memory_series`: bytes live before a ring buffer's first
     entry, memory outside PyTorch's allocator), and which tensor a category's bytes belong to
-    (PyTorch's viewer, ``memlab viz``, shows each block). Raises ``ImportError`` naming
+    (``memlab viz --stack largest`` draws the largest blocks, ``memlab viz --viewer pytorch`` each
+    block). Raises ``ImportError`` naming
     ``pip install 'memlab[plot]'`` without matplotlib, ``ValueError`` for a snapshot without
     trace entries, a file that is not a snapshot pickle (or one that names a Python object to
     load, which is refused unread) or a ``path`` that cannot be written or has another extension,

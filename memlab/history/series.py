@@ -6,11 +6,26 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from memlab.sources.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
-__all__ = ["MemorySeries", "Segments", "memory_series"]
+__all__ = ["Allocation", "MemorySeries", "Segments", "memory_series"]
+
+
+class Allocation(NamedTuple):
+    """One block of a replayed trace: allocated after event ``start`` (an index into
+    :class:`MemorySeries`' lists), freed by event ``end`` (``None``: still live when the trace
+    ends), with its granted and requested bytes, category and stack (the trace entry's list of
+    frame dicts, ``filename``/``line``/``name``, innermost first; empty where none was recorded).
+    It is live after the events ``start`` to ``end - 1``."""
+
+    start: int
+    end: int | None
+    granted: int
+    requested: int
+    category: str
+    frames: list[dict[str, Any]]
 
 
 @dataclass
@@ -22,7 +37,9 @@ class MemorySeries:
     ``reserved_bytes.all.current`` after event ``i``; ``by_category[name][i]`` the allocated bytes
     of blocks of that category (their sum is ``allocated[i]``). ``peak`` is the first event at
     which ``allocated`` is highest and ``peak_frame`` the innermost frame of the allocation
-    there, as ``(filename, line, name)`` (``None`` when none was recorded).
+    there, as ``(filename, line, name)`` (``None`` when none was recorded). ``allocations``:
+    every block the trace allocated, in order (filled only when asked, by
+    ``memory_series(..., allocations=True)``).
     """
 
     allocated: list[int] = field(default_factory=list)
@@ -30,6 +47,7 @@ class MemorySeries:
     by_category: dict[str, list[int]] = field(default_factory=dict)
     peak: int = 0
     peak_frame: tuple[str, int, str] | None = None
+    allocations: list[Allocation] = field(default_factory=list)
 
 
 class Segments:
@@ -97,7 +115,9 @@ def _trace(snapshot: dict[str, Any], device: int | None) -> list[dict[str, Any]]
     return traces[device]
 
 
-def memory_series(snapshot: dict[str, Any], device: int | None = None) -> MemorySeries:
+def memory_series(
+    snapshot: dict[str, Any], device: int | None = None, *, allocations: bool = False
+) -> MemorySeries:
     """Replay the trace of ``device`` (an index into ``snapshot["device_traces"]``; ``None``: the
     one device with entries) of a ``torch.cuda.memory._snapshot()``-format dict.
 
@@ -108,10 +128,12 @@ def memory_series(snapshot: dict[str, Any], device: int | None = None) -> Memory
     block's granted bytes may then differ. A trace that a ring buffer cut short starts from
     zero at its first entry: what was live before is not in it, and frees of blocks and
     segments it does not know change nothing (a block allocated in such a segment counts its
-    requested bytes).
+    requested bytes). With ``allocations``, :attr:`MemorySeries.allocations` lists every block
+    the trace allocated (what :mod:`memlab.history.page` stacks and tabulates).
     """
     segments = Segments()
-    live: dict[int, tuple[int, str]] = {}  # block address -> (granted bytes, category)
+    live: dict[int, tuple[int, str, int]] = {}  # block address -> (granted bytes, category, index)
+    blocks: list[list[Any]] = []  # with allocations: [start, end, granted, requested, category, frames]
     series = MemorySeries()
     totals: dict[str, int] = {}
     allocated = reserved = 0
@@ -125,12 +147,18 @@ def memory_series(snapshot: dict[str, Any], device: int | None = None) -> Memory
         if action == "alloc":
             category = entry.get("category") or "unknown"
             granted = segments.allocate(addr, entry["size"])
-            live[addr] = (granted, category)
+            live[addr] = (granted, category, len(blocks))
+            if allocations:
+                blocks.append(
+                    [len(series.allocated), None, granted, entry["size"], category, entry.get("frames") or []]
+                )
             allocated += granted
             totals[category] = totals.get(category, 0) + granted
         elif action == "free_completed":
             if addr in live:  # not when a ring buffer dropped its allocation
-                granted, category = live.pop(addr)
+                granted, category, index = live.pop(addr)
+                if allocations:
+                    blocks[index][1] = len(series.allocated)
                 segments.release(addr)
                 allocated -= granted
                 totals[category] -= granted
@@ -151,4 +179,5 @@ def memory_series(snapshot: dict[str, Any], device: int | None = None) -> Memory
     if peak_entry is not None and peak_entry.get("frames"):
         frame = peak_entry["frames"][0]
         series.peak_frame = (frame["filename"], frame["line"], frame["name"])
+    series.allocations = [Allocation._make(block) for block in blocks]
     return series
