@@ -231,3 +231,23 @@ def test_console_sessions_print_what_the_readme_shows(session, line, tmp_path):
         )
         status = 2 if ": error: " in printed else 0
         assert result.returncode == status, f"README.md line {line}: {command}\n{printed}"
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but ``-`` ``_`` dropped, spaces ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_inside_the_readme_names_a_heading():
+    text = FENCE.sub("", README.read_text(encoding="utf-8"))
+    anchors = {anchor(title) for title in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert len(links) >= 10, "the table of contents and the task table link to sections"
+    assert sorted(set(links) - anchors) == []
+
+
+def test_the_table_of_contents_lists_every_section():
+    text = FENCE.sub("", README.read_text(encoding="utf-8"))
+    sections = [title for title in re.findall(r"^###? (.+)$", text, re.MULTILINE) if title != "Contents"]
+    contents = text.split("## Contents\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^ *- \[(.+)\]\(#", contents, re.MULTILINE) == sections
