@@ -45,6 +45,9 @@ NOT_RUN = {
     "# loop.py",  # loops until it is killed
     '$ memlab run -o out.txt loop.py; echo "exit $?"     # and, from another shell: kill -TERM <its pid>',
     "256 MiB (268435456 B): park 0.134 s, restore 0.204 s",  # timings
+    # timings
+    "RESULT eor_nn --stack category: page 85 KiB, 1,647 of 3,861 events drawn, 0.06 s "
+    "(memlab viz, best of 3)",
     "case         step metric            gpu   gpu_tracker   cpu_tracker      estimate",  # an H100
     '$ memlab run -o out.json --snapshot run.pickle --plot run.png train.py >/dev/null; echo "exit $?"',
     "$ torchrun --standalone --nproc-per-node 2 -m memlab run -f step -o out.json --gather train.py",
