@@ -19,6 +19,7 @@ from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._progress import Progress
 from memlab._units import check_count, format_size, parse_size
+from memlab.estimate.capped import completes_under
 from memlab.estimate.estimate import Estimate, run_estimate
 
 __all__ = ["BatchFit", "default_budget", "max_batch_size", "modelled_gpu", "search"]
@@ -230,7 +231,7 @@ def search_batch_size(
     def fits(size: int) -> bool:
         if size not in found:
             shown.update(f"trying batch {size} (estimate {len(found) + 1})", logging.DEBUG)
-            found[size] = fitting_estimate(lambda capacity: run(size, capacity), budget - headroom)
+            found[size] = completes_under(lambda capacity: run(size, capacity), budget - headroom)
             if high is None:
                 _check_growth(found, size)
             shown.update(_outcome(size, found[size], budget - headroom, len(found)))
@@ -270,15 +271,6 @@ def _check_growth(found: dict[int, Estimate | None], size: int) -> None:
             f"the step's memory does not grow with the batch size (batches of {size // 2} and {size} both "
             f"request a peak of {format_size(peak)}): pass high= to bound the search"
         )
-
-
-def fitting_estimate(run: Callable[[int | None], Estimate], capacity: int) -> Estimate | None:
-    """``run(capacity)``, an estimate under a modelled allocator of ``capacity`` bytes, or ``None``
-    when it runs out of memory there."""
-    try:
-        return run(capacity)
-    except torch.OutOfMemoryError:
-        return None
 
 
 def search(fits: Callable[[int], bool], low: int, high: int | None) -> tuple[int, int | None]:

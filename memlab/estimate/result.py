@@ -14,6 +14,7 @@ import torch
 
 from memlab._gpus import GPU
 from memlab._units import format_size, parse_size
+from memlab.estimate.capped import completes_under
 from memlab.history import categories
 from memlab.sources.tracker import TensorTracker
 
@@ -90,13 +91,15 @@ class Estimate:
         caveats: list[str],
         substituted: dict[str, int],
         forced_by: str | None,
-        rerun: Callable[[Any], Estimate],
+        rerun: Callable[[Any, int | None], Estimate],
         function: Callable[..., Any],
         steps: int = 1,
         peak_step: int = 1,
         gpu: GPU | None = None,
+        capacity: int | None = None,
     ) -> None:
         self.name = name
+        self._capacity = capacity
         self.gpu = gpu
         self.steps = steps
         self.peak_step = peak_step
@@ -158,9 +161,19 @@ class Estimate:
         return self.modules.to_dataframe()
 
     def fits(self, budget: int | str, headroom: int | str = 0) -> bool:
-        """Whether the peak reserved bytes plus ``headroom`` fit in ``budget`` (bytes or sizes
-        such as ``"16 GiB"``)."""
-        return self.peak_reserved + parse_size(headroom, name="headroom") <= parse_size(budget, name="budget")
+        """Whether the call completes under a CUDA caching allocator capped at ``budget`` minus
+        ``headroom`` (bytes or sizes such as ``"16 GiB"``), as a GPU of that much memory (or a
+        ``TensorTracker(capacity=...)`` run) would run it: the allocator's retry path included,
+        which frees cached segments before it gives up, so a call can fit below its
+        :attr:`peak_reserved` (that of an allocator that never had to free its cache). The same
+        question :func:`memlab.max_batch_size`, :func:`memlab.autobatch` and the OOM remedies ask
+        (:func:`memlab.estimate.capped.completes_under`). Where the peak reserved bytes are within
+        the budget and the run never hit a cap, that is the answer; otherwise the call is estimated
+        again under the cap (the cost of a second estimate)."""
+        capacity = parse_size(budget, name="budget") - parse_size(headroom, name="headroom")
+        if capacity < 0:
+            return False
+        return completes_under(lambda cap: self._rerun(None, cap), capacity, known=self) is not None
 
     def line_profile(self, *functions: Callable[..., Any], columns: Sequence[str] | None = None) -> Any:
         """A :class:`memlab.LineProfiler` of ``functions`` (default: the estimated function) over
@@ -177,7 +190,7 @@ class Estimate:
         profiler = LineProfiler(
             *functions, target_gpu=self._stats_device, columns=DEFAULT_COLUMNS if columns is None else columns
         )
-        self._rerun(profiler)
+        self._rerun(profiler, self._capacity)
         return profiler
 
     def _rows(self) -> list[tuple[str, str, str]]:
