@@ -17,6 +17,7 @@ from memlab._units import format_size, parse_size
 from memlab.estimate.capped import completes_under
 from memlab.history import categories
 from memlab.sources.tracker import TensorTracker
+from memlab.sources.workspace_note import ModelledWorkspaces, tracker_workspaces, with_note
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -203,10 +204,19 @@ class Estimate:
         gpu = "a GPU" if self.gpu is None else self.gpu.name
         if self.gpu is not None and self.gpu.name != self.gpu.sm:
             gpu += f" ({self.gpu.sm})"
-        return (
+        header = (
             f"memlab estimate of {self.name} on {self.device.type} ({how}; {gpu} modelled: CUDA caching "
             f"allocator, cuBLAS workspaces; {ran})"
         )
+        return with_note(header, self.workspaces)
+
+    @property
+    def workspaces(self) -> ModelledWorkspaces | None:
+        """The cuBLAS/cuBLASLt workspaces the estimate's numbers include (their count, bytes and
+        GPU), which the first line of its text names; ``None`` where none was modelled (no matmul,
+        or ``CUBLAS_WORKSPACE_CONFIG=:0:0`` in the environment, PyTorch's switch that makes them 0
+        bytes)."""
+        return tracker_workspaces(self.tracker, self._stats_device)
 
     def __repr__(self) -> str:
         stats = self.stats
