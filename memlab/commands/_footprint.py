@@ -58,7 +58,8 @@ class ModelFootprint:
         if self.largest is None:
             return None
         parameters, gradients, state = self.largest
-        workspaces = "" if self.workspaces is None else f", and {format_size(self.workspaces.nbytes)} of workspaces"
+        found = self.workspaces
+        workspaces = "" if found is None else f", and {format_size(found.nbytes)} of workspaces"
         return (
             f"the model itself takes {format_size(parameters + gradients + state)}: parameters "
             f"{format_size(parameters)}, gradients {format_size(gradients)}, optimizer state "
