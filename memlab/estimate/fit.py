@@ -21,6 +21,7 @@ from memlab._progress import Progress
 from memlab._units import check_count, format_size, parse_size
 from memlab.estimate.capped import completes_under
 from memlab.estimate.estimate import Estimate, run_estimate
+from memlab.sources.workspace_note import with_note
 
 __all__ = ["BatchFit", "default_budget", "max_batch_size", "modelled_gpu", "search"]
 
@@ -57,7 +58,8 @@ class BatchFit:
             text += f" (peak reserved {format_size(self.estimate.peak_reserved)})"
         if self.next_estimate is not None:
             text += f"; {self.next_size} needs {format_size(self.next_estimate.peak_reserved)}"
-        return f"{text}; {self.estimates} estimates"
+        found = self.estimate or self.next_estimate
+        return with_note(f"{text}; {self.estimates} estimates", None if found is None else found.workspaces)
 
 
 def default_budget(device: torch.device, gpu: GpuLike | None = None) -> int:
