@@ -34,14 +34,18 @@ def completes_under(
     ``known``: an estimate of the same step already run; when its allocator never had to free its
     cache (no retry, no out-of-memory error) and its peak reserved bytes are within ``capacity``, a
     run capped at ``capacity`` would make the same requests with the same results (the cap is never
-    reached), so ``known`` is the answer and nothing runs again. Otherwise the step runs under the
-    cap. What the estimate cannot see (cuDNN workspaces, the CUDA context) is not in ``capacity``:
+    reached), so ``known`` is the answer and nothing runs again; when its peak of requested bytes
+    (what the tensors asked for at once: the same under any allocator, and never more than it
+    reserves) is above ``capacity``, the step cannot complete there and nothing runs either.
+    Otherwise the step runs under the cap. What the estimate cannot see (cuDNN workspaces, the CUDA context) is not in ``capacity``:
     leave room for it."""
     if known is not None:
         stats = known.stats
         capped = stats.get("num_alloc_retries", 0) or stats.get("num_ooms", 0)
         if not capped and known.peak_reserved <= capacity:
             return known
+        if stats.get("requested_bytes.all.peak", 0) > capacity:
+            return None  # what the tensors ask for at once, whatever the allocator does, is over it
     try:
         return run(capacity)
     except torch.OutOfMemoryError:

@@ -69,3 +69,10 @@ def test_an_estimate_within_the_budget_is_not_run_again():
     at = memlab.estimate(growing_step, rows(100))
     at._rerun = None  # a second run would fail
     assert at.fits(at.peak_reserved) and at.fits(BUDGET)
+
+
+def test_an_estimate_whose_tensors_alone_exceed_the_budget_is_not_run_again():
+    at = memlab.estimate(growing_step, rows(3925))
+    requested = at.stats["requested_bytes.all.peak"]  # x, the pair or the triple, and the sums
+    at._rerun = None  # a second run would fail
+    assert not at.fits(requested - 1)
