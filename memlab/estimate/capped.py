@@ -37,8 +37,8 @@ def completes_under(
     reached), so ``known`` is the answer and nothing runs again; when its peak of requested bytes
     (what the tensors asked for at once: the same under any allocator, and never more than it
     reserves) is above ``capacity``, the step cannot complete there and nothing runs either.
-    Otherwise the step runs under the cap. What the estimate cannot see (cuDNN workspaces, the CUDA context) is not in ``capacity``:
-    leave room for it."""
+    Otherwise the step runs under the cap. What the estimate cannot see (cuDNN workspaces, the
+    CUDA context) is not in ``capacity``: leave room for it."""
     if known is not None:
         stats = known.stats
         capped = stats.get("num_alloc_retries", 0) or stats.get("num_ooms", 0)
