@@ -36,7 +36,10 @@ class BatchFit:
     for 0); ``next_size``: the smallest size that ran out of memory (``batch_size + 1``, or
     ``low`` when nothing fits; ``None`` where ``high`` was reached and fits); ``next_estimate``:
     its estimate without a capacity, whose ``peak_reserved`` is what it would need.
-    ``estimates``: how many estimates the search ran. ``budget`` and ``headroom`` in bytes.
+    ``estimates``: how many estimates the search ran. ``budget`` and ``headroom`` in bytes. Its
+    text ends with the modelled cuBLAS workspaces the estimates include, where there are any
+    (:func:`memlab.sources.workspace_note.workspaces_note`; ``CUBLAS_WORKSPACE_CONFIG=:0:0`` turns
+    them off).
     """
 
     batch_size: int

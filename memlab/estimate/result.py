@@ -72,7 +72,9 @@ class Estimate:
     used no ``torch.nn.Module``).
 
     The cuBLAS/cuBLASLt workspaces the GPU's first matmul of each thread and stream allocates are
-    counted (category ``workspace``; :mod:`memlab.sources.workspaces`), as a tracker counts them.
+    counted (category ``workspace``; :mod:`memlab.sources.workspaces`), as a tracker counts them;
+    :attr:`workspaces` and the first line of the text say how many and their bytes, and
+    ``CUBLAS_WORKSPACE_CONFIG=:0:0`` in the environment (PyTorch's switch) turns them off.
     What an estimate cannot see: cuDNN workspaces (convolutions: named in ``caveats``) and
     temporaries inside one kernel, the CUDA context (hundreds of MiB per process on a GPU), NCCL
     buffers, memory
