@@ -43,7 +43,9 @@ def test_fits_agrees_with_a_capped_tracked_run_at_the_boundary_batch():
     """Batch 3925: x is 16,076,800 B (a 16 MiB segment), the pair 32,153,600 B (32 MiB), the
     triple 48,230,400 B (46 MiB), the sums one 2 MiB small segment: 96 MiB unbounded, 64 MiB once
     the pair's cached segment is freed for the triple. Batch 3926: the triple is 48,242,688 B, a
-    48 MiB segment: 66 MiB even after the retry."""
+    48 MiB segment: 66 MiB even after the retry. A real H100 (torch 2.11.0+cu130, the cap set with
+    ``torch.cuda.set_per_process_memory_fraction``, 2026-11-27) gave the same: batch 3925 completes
+    at 67,108,864 B reserved with one retry; 3926, and 3925 under 64 MiB - 1 B, run out of memory."""
     fit = memlab.max_batch_size(growing_step, rows, BUDGET, steps=1)
     assert (fit.batch_size, fit.next_size) == (3925, 3926)
     at, above = memlab.estimate(growing_step, rows(3925)), memlab.estimate(growing_step, rows(3926))
