@@ -22,6 +22,7 @@ import pandas as pd
 import pytest
 
 import memlab as memlab_package
+from memlab._units import format_size, parse_size
 from memlab.cli import build_parser, main
 from memlab.line_profiler import DEFAULT_COLUMNS, decorators, read_csv, read_json
 
@@ -61,6 +62,9 @@ SOURCE_LINE = (
     "modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); "
     "counted from the program's first line"
 )
+#: The same line for the example, whose matmuls take the two cuBLAS workspaces of the H100 modelled
+#: (the forward's thread's and the autograd engine's: 32 MiB each on sm90, CublasHandlePool.cpp).
+EXAMPLE_SOURCE_LINE = f"{SOURCE_LINE}; includes 2 modelled cuBLAS workspaces of the H100: 64.00M"
 # (active_bytes.all.peak, reserved_bytes.all.peak, line, code) of work(1024) on CPU.
 WORK_ROWS = [
     ("0.00B", "0.00B", "9", "def work(n):"),
@@ -309,7 +313,7 @@ def test_run_shows_a_time_column(script: Path, capsys: Any) -> None:
 
 def test_demo_shows_a_time_column(capsys: Any) -> None:
     assert memlab("demo", "--epochs", 1, "-D", "-c", "time") == 0
-    train_step = capsys.readouterr().out.split("## train_step\n\n")[1].splitlines()
+    train_step = capsys.readouterr().out.split("## train_step\n\n")[1].split("\n\n")[0].splitlines()
     assert train_step[0].split() == ["time", "line", "code"]  # one header line: "time" has one part
     assert train_step[1].split(None, 1) == ["37", "@memlab.profile"]  # no blank header lines
     rows = [line.split(None, 2) for line in train_step[2:]]
@@ -439,10 +443,45 @@ def test_demo_and_run_say_where_the_numbers_come_from_in_the_same_words(
     monkeypatch.setattr(decorators, "_global", None)
     assert memlab("run", "-f", "train_step", EXAMPLE, "--epochs", 1) == 0
     run = capsys.readouterr().out.splitlines()
-    assert demo[1] == run[1] == SOURCE_LINE  # line 0: the example's "epoch 1: loss ..."
+    assert demo[1] == run[1] == EXAMPLE_SOURCE_LINE  # line 0: the example's "epoch 1: loss ..."
     monkeypatch.setattr(decorators, "_global", None)
     assert memlab("demo", "--epochs", 1, "--device", "cpu") == 0  # as memlab run -g cpu: a device named
-    assert capsys.readouterr().out.splitlines()[1] == SOURCE_LINE.replace(" (no CUDA GPU here)", "")
+    assert capsys.readouterr().out.splitlines()[1] == EXAMPLE_SOURCE_LINE.replace(" (no CUDA GPU here)", "")
+
+
+def _blocks(tensors: Any) -> int:
+    """Bytes of the CUDA caching allocator's blocks for ``tensors``: each rounded up to 512 B."""
+    return sum(max(512, -(-t.nbytes // 512) * 512) for t in tensors)
+
+
+def test_demo_says_what_the_model_itself_takes_and_the_switch_turns_workspaces_off(
+    capsys: Any, monkeypatch: Any
+) -> None:
+    from memlab.examples.train import make_model
+
+    parameters = _blocks(make_model().parameters())  # 6,341,120 B
+    state = 2 * parameters + 6 * 512  # AdamW: exp_avg, exp_avg_sq, and a 0-dim step per parameter
+    total, each = format_size(2 * parameters + state), format_size(parameters)
+    footprint = (
+        f"the model itself takes {total}: parameters {each}, gradients {each}, optimizer state "
+        f"{format_size(state)} (after an optimizer step); the rest of each peak is the batch, activations "
+        "and temporaries"
+    )
+    assert memlab("demo", "--epochs", 1) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == EXAMPLE_SOURCE_LINE
+    assert out.endswith(f"\n\n{footprint}, and 64.00M of workspaces\n")
+    assert footprint.startswith("the model itself takes 24.19M: parameters 6.05M, gradients 6.05M, ")
+
+    monkeypatch.setattr(decorators, "_global", None)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # PyTorch's switch: workspaces of 0 bytes
+    assert memlab("demo", "--epochs", 1) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == SOURCE_LINE and out.endswith(f"\n\n{footprint}\n")
+    without = tables(out)["train_step"]
+    assert [row[0] for row in without] == [
+        format_size(parse_size(row[0]) - 64 * 2**20) for row in TRAIN_STEP_ROWS
+    ]
 
 
 def test_run_without_names_shows_the_decorated_functions(capsys: Any) -> None:

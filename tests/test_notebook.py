@@ -166,6 +166,6 @@ def test_the_estimate_cell_prints_the_peak_and_the_batch_that_fits(outputs: dict
     assert outputs["estimate"]["stdout"] == (
         "peak reserved: 245366784 B; fits in 1 GiB: True\n"  # 178257920 B and two 32 MiB workspaces
         "largest batch that fits in 1.00G for 2 steps in a row: 12160 (peak reserved 1018.00M); 12161 needs "
-        "1.10G; 29 estimates\n"
+        "1.10G; 29 estimates; includes 2 modelled cuBLAS workspaces of the H100: 64.00M\n"
     )
     assert "<b>234.00M</b>" in outputs["estimate"]["text/html"]  # the Estimate's HTML: its peak reserved

@@ -1,7 +1,10 @@
 """``memlab demo``: the packaged example training script under the line profiler.
 
 The same as ``memlab run -f train_step <memlab>/examples/train.py``: it prints ``train_step`` line by
-line on the default device (on a machine without a GPU, the numbers a CUDA GPU would show).
+line on the default device (on a machine without a GPU, the numbers a CUDA GPU would show), then what
+the model itself takes (parameters, gradients, optimizer state). Without a GPU the numbers include
+the cuBLAS workspaces of the GPU modelled (the table's first line says how many and their bytes);
+``CUBLAS_WORKSPACE_CONFIG=:0:0`` in the environment turns them off, as it does in PyTorch.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from memlab._arguments import COLUMN_OPTION, NO_DEFAULT_COLUMNS_OPTION, OUTPUT_OPTION, columns_shown
 from memlab._devices import parse_device, require_usable
 from memlab.commands._command import CommandError
+from memlab.commands._footprint import ModelFootprint
 from memlab.commands._program import MainProgram
 from memlab.commands.run import profile_program
 
@@ -32,7 +36,10 @@ class DemoCommand:
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.description = (
             f"Run memlab's example training script ({EXAMPLE}) and print the memory of each line of "
-            f"its {EXAMPLE_FUNCTION}() function: the same as memlab run -f {EXAMPLE_FUNCTION} on it."
+            f"its {EXAMPLE_FUNCTION}() function: the same as memlab run -f {EXAMPLE_FUNCTION} on it; then "
+            "what the model itself takes (parameters, gradients, optimizer state). Without a GPU the "
+            "numbers include the cuBLAS workspaces of the GPU modelled, as the first line says; "
+            "CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment turns them off, as in PyTorch."
         )
         parser.add_argument(
             "--epochs", type=_epochs, help="epochs the example trains for, at least 1 (default: its own)"
@@ -62,9 +69,15 @@ class DemoCommand:
             # Without --device, measure what memlab run measures by default (its target 0: the GPU,
             # or without one the default device set above), so that both say the same first line.
             target = None if args.device is None else device
-            return profile_program(program, [EXAMPLE_FUNCTION], columns, target, args.output)
+            footprint = ModelFootprint()
+            with footprint.watching():
+                status = profile_program(program, [EXAMPLE_FUNCTION], columns, target, args.output)
         finally:
             torch.set_default_device(None if previous == torch.device("cpu") else previous)
+        line = footprint.line()
+        if line is not None:
+            print(f"\n{line}")
+        return status
 
 
 def _epochs(text: str) -> int:

@@ -64,7 +64,11 @@ class EstimateCommand:
         )
         parser.epilog = (
             "Sizes are bytes as the CUDA caching allocator counts them (G = GiB). Not seen: the CUDA context "
-            "(a GPU's budget here is its memory less 512 MiB for it), cuDNN workspaces, NCCL buffers."
+            "(a GPU's budget here is its memory less 512 MiB for it), cuDNN workspaces, NCCL buffers. The "
+            "numbers include the cuBLAS workspaces PyTorch allocates on that GPU (the first line says how "
+            "many and their size); CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment turns them off, as it "
+            "does in PyTorch. Fits means: the steps complete under a caching allocator capped at the "
+            "budget, which frees its cache and retries before it runs out of memory."
         )
         parser.add_argument(
             "model",
@@ -248,6 +252,7 @@ def _answer(
         "why_they_differ": why_they_differ(
             by_category, estimate.peak_allocated, estimate.peak_reserved, foreach, setup.parallel == "fsdp"
         ),
+        "workspaces": _workspaces(estimate.workspaces),
         "method": estimate.method,
         "caveats": list(estimate.caveats),
     }
@@ -258,6 +263,16 @@ def _answer(
             None if fit.next_estimate is None else fit.next_estimate.peak_reserved
         )
     return answer
+
+
+def _workspaces(found: Any) -> dict[str, Any] | None:
+    """The modelled cuBLAS workspaces of the answer (count, bytes, GPU and the sentence the text's
+    first line ends with), or ``None`` where none was modelled."""
+    from memlab.sources.workspace_note import workspaces_note
+
+    if found is None:
+        return None
+    return {"count": found.count, "bytes": found.nbytes, "gpu": found.gpu, "note": workspaces_note(found)}
 
 
 def _count_text(count: int) -> str:
@@ -277,7 +292,7 @@ def _text(answer: dict[str, Any]) -> str:
         job = f", rank 0 of {answer['world_size']} ({answer['parallel'].upper()})"
     lines = [
         f"memlab estimate: {answer['model']} ({answer['model_class']}, {_count_text(answer['parameters'])} "
-        "parameters)",
+        "parameters)" + (f"; {answer['workspaces']['note']}" if answer["workspaces"] else ""),
         f"{steps} of {answer['optimizer']}, {shape}, {precision}"
         + (", gradient checkpointing" if answer["gradient_checkpointing"] else "")
         + f", on {answer['gpu']}{job}",

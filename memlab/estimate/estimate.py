@@ -223,10 +223,10 @@ def run_estimate(
     if gpu is None:
         gpu = resolve_gpu(None)
 
-    def rerun(new_profiler: Any) -> Estimate:
+    def rerun(new_profiler: Any, new_capacity: int | None) -> Estimate:
         return run_estimate(
             fn, make_arguments, device, with_grads=with_grads, backward=backward,
-            profiler=new_profiler, method=method, steps=steps, capacity=capacity,
+            profiler=new_profiler, method=method, steps=steps, capacity=new_capacity,
             start=start, call_context=call_context, gpu=gpu, stacks=stacks,
         )  # fmt: skip
 
@@ -310,6 +310,7 @@ def run_estimate(
                     steps=steps,
                     peak_step=reserved_peaks.index(max(reserved_peaks)) + 1,
                     gpu=gpu,
+                    capacity=capacity,
                 )
                 del result
         except Exception as error:

@@ -19,7 +19,9 @@ from memlab._devices import parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._progress import Progress
 from memlab._units import check_count, format_size, parse_size
+from memlab.estimate.capped import completes_under
 from memlab.estimate.estimate import Estimate, run_estimate
+from memlab.sources.workspace_note import with_note
 
 __all__ = ["BatchFit", "default_budget", "max_batch_size", "modelled_gpu", "search"]
 
@@ -34,7 +36,10 @@ class BatchFit:
     for 0); ``next_size``: the smallest size that ran out of memory (``batch_size + 1``, or
     ``low`` when nothing fits; ``None`` where ``high`` was reached and fits); ``next_estimate``:
     its estimate without a capacity, whose ``peak_reserved`` is what it would need.
-    ``estimates``: how many estimates the search ran. ``budget`` and ``headroom`` in bytes.
+    ``estimates``: how many estimates the search ran. ``budget`` and ``headroom`` in bytes. Its
+    text ends with the modelled cuBLAS workspaces the estimates include, where there are any
+    (:func:`memlab.sources.workspace_note.workspaces_note`; ``CUBLAS_WORKSPACE_CONFIG=:0:0`` turns
+    them off).
     """
 
     batch_size: int
@@ -56,7 +61,8 @@ class BatchFit:
             text += f" (peak reserved {format_size(self.estimate.peak_reserved)})"
         if self.next_estimate is not None:
             text += f"; {self.next_size} needs {format_size(self.next_estimate.peak_reserved)}"
-        return f"{text}; {self.estimates} estimates"
+        found = self.estimate or self.next_estimate
+        return with_note(f"{text}; {self.estimates} estimates", None if found is None else found.workspaces)
 
 
 def default_budget(device: torch.device, gpu: GpuLike | None = None) -> int:
@@ -230,7 +236,7 @@ def search_batch_size(
     def fits(size: int) -> bool:
         if size not in found:
             shown.update(f"trying batch {size} (estimate {len(found) + 1})", logging.DEBUG)
-            found[size] = fitting_estimate(lambda capacity: run(size, capacity), budget - headroom)
+            found[size] = completes_under(lambda capacity: run(size, capacity), budget - headroom)
             if high is None:
                 _check_growth(found, size)
             shown.update(_outcome(size, found[size], budget - headroom, len(found)))
@@ -270,15 +276,6 @@ def _check_growth(found: dict[int, Estimate | None], size: int) -> None:
             f"the step's memory does not grow with the batch size (batches of {size // 2} and {size} both "
             f"request a peak of {format_size(peak)}): pass high= to bound the search"
         )
-
-
-def fitting_estimate(run: Callable[[int | None], Estimate], capacity: int) -> Estimate | None:
-    """``run(capacity)``, an estimate under a modelled allocator of ``capacity`` bytes, or ``None``
-    when it runs out of memory there."""
-    try:
-        return run(capacity)
-    except torch.OutOfMemoryError:
-        return None
 
 
 def search(fits: Callable[[int], bool], low: int, high: int | None) -> tuple[int, int | None]:

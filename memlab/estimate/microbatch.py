@@ -19,9 +19,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._gpus import GpuLike, resolve_gpu
 from memlab._units import format_size
+from memlab.estimate.capped import completes_under
 from memlab.estimate.copies import named_objects
 from memlab.estimate.estimate import _target, run_estimate
-from memlab.estimate.fit import budget_in_bytes, default_budget, fitting_estimate, modelled_gpu, search
+from memlab.estimate.fit import budget_in_bytes, default_budget, modelled_gpu, search
 
 __all__ = ["AutoBatched", "autobatch"]
 
@@ -180,7 +181,7 @@ class AutoBatched:
                     gpu=gpu,
                 )
 
-            return fitting_estimate(run, budget) is not None
+            return completes_under(run, budget) is not None
 
         found = search(fits, 1, size)[0]
         if found == 0 and self.budget is not None:

@@ -14,8 +14,10 @@ import torch
 
 from memlab._gpus import GPU
 from memlab._units import format_size, parse_size
+from memlab.estimate.capped import completes_under
 from memlab.history import categories
 from memlab.sources.tracker import TensorTracker
+from memlab.sources.workspace_note import ModelledWorkspaces, tracker_workspaces, with_note
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -70,7 +72,9 @@ class Estimate:
     used no ``torch.nn.Module``).
 
     The cuBLAS/cuBLASLt workspaces the GPU's first matmul of each thread and stream allocates are
-    counted (category ``workspace``; :mod:`memlab.sources.workspaces`), as a tracker counts them.
+    counted (category ``workspace``; :mod:`memlab.sources.workspaces`), as a tracker counts them;
+    :attr:`workspaces` and the first line of the text say how many and their bytes, and
+    ``CUBLAS_WORKSPACE_CONFIG=:0:0`` in the environment (PyTorch's switch) turns them off.
     What an estimate cannot see: cuDNN workspaces (convolutions: named in ``caveats``) and
     temporaries inside one kernel, the CUDA context (hundreds of MiB per process on a GPU), NCCL
     buffers, memory
@@ -90,13 +94,15 @@ class Estimate:
         caveats: list[str],
         substituted: dict[str, int],
         forced_by: str | None,
-        rerun: Callable[[Any], Estimate],
+        rerun: Callable[[Any, int | None], Estimate],
         function: Callable[..., Any],
         steps: int = 1,
         peak_step: int = 1,
         gpu: GPU | None = None,
+        capacity: int | None = None,
     ) -> None:
         self.name = name
+        self._capacity = capacity
         self.gpu = gpu
         self.steps = steps
         self.peak_step = peak_step
@@ -158,9 +164,19 @@ class Estimate:
         return self.modules.to_dataframe()
 
     def fits(self, budget: int | str, headroom: int | str = 0) -> bool:
-        """Whether the peak reserved bytes plus ``headroom`` fit in ``budget`` (bytes or sizes
-        such as ``"16 GiB"``)."""
-        return self.peak_reserved + parse_size(headroom, name="headroom") <= parse_size(budget, name="budget")
+        """Whether the call completes under a CUDA caching allocator capped at ``budget`` minus
+        ``headroom`` (bytes or sizes such as ``"16 GiB"``), as a GPU of that much memory (or a
+        ``TensorTracker(capacity=...)`` run) would run it: the allocator's retry path included,
+        which frees cached segments before it gives up, so a call can fit below its
+        :attr:`peak_reserved` (that of an allocator that never had to free its cache). The same
+        question :func:`memlab.max_batch_size`, :func:`memlab.autobatch` and the OOM remedies ask
+        (:func:`memlab.estimate.capped.completes_under`). Where the peak reserved bytes are within
+        the budget and the run never hit a cap, that is the answer; otherwise the call is estimated
+        again under the cap (the cost of a second estimate)."""
+        capacity = parse_size(budget, name="budget") - parse_size(headroom, name="headroom")
+        if capacity < 0:
+            return False
+        return completes_under(lambda cap: self._rerun(None, cap), capacity, known=self) is not None
 
     def line_profile(self, *functions: Callable[..., Any], columns: Sequence[str] | None = None) -> Any:
         """A :class:`memlab.LineProfiler` of ``functions`` (default: the estimated function) over
@@ -177,7 +193,7 @@ class Estimate:
         profiler = LineProfiler(
             *functions, target_gpu=self._stats_device, columns=DEFAULT_COLUMNS if columns is None else columns
         )
-        self._rerun(profiler)
+        self._rerun(profiler, self._capacity)
         return profiler
 
     def _rows(self) -> list[tuple[str, str, str]]:
@@ -190,10 +206,19 @@ class Estimate:
         gpu = "a GPU" if self.gpu is None else self.gpu.name
         if self.gpu is not None and self.gpu.name != self.gpu.sm:
             gpu += f" ({self.gpu.sm})"
-        return (
+        header = (
             f"memlab estimate of {self.name} on {self.device.type} ({how}; {gpu} modelled: CUDA caching "
             f"allocator, cuBLAS workspaces; {ran})"
         )
+        return with_note(header, self.workspaces)
+
+    @property
+    def workspaces(self) -> ModelledWorkspaces | None:
+        """The cuBLAS/cuBLASLt workspaces the estimate's numbers include (their count, bytes and
+        GPU), which the first line of its text names; ``None`` where none was modelled (no matmul,
+        or ``CUBLAS_WORKSPACE_CONFIG=:0:0`` in the environment, PyTorch's switch that makes them 0
+        bytes)."""
+        return tracker_workspaces(self.tracker, self._stats_device)
 
     def __repr__(self) -> str:
         stats = self.stats

@@ -8,12 +8,14 @@ matplotlib is imported only when a figure is drawn, so ``import memlab`` never i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memlab._outputs import check_output_path, replacing_path
 from memlab.history.series import memory_series
+from memlab.sources.workspace_note import snapshot_workspaces, workspaces_note
 
 if TYPE_CHECKING:
     from matplotlib.axis import Axis
@@ -111,6 +113,10 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     ``gradient``, ``workspace``, ... as each block's entry carries it; ``unknown`` where none is
     known), and
     the peak of allocated bytes marked with the ``file:line`` of the allocation that reached it.
+    Where the run modelled cuBLAS workspaces (a tracker's snapshot: category ``workspace``), the
+    title says how many and their bytes (``includes 2 modelled cuBLAS workspaces of the H100:
+    64.00M``; the GPU is named for a tracker, a snapshot does not say it);
+    ``CUBLAS_WORKSPACE_CONFIG=:0:0`` turns them off.
 
     ``source``: a ``memlab.TensorTracker`` entered with ``history=True`` (its :meth:`snapshot`
     of ``device``), a snapshot dict in ``torch.cuda.memory._snapshot()`` format (from
@@ -137,8 +143,10 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     from memlab.sources.tracker import TensorTracker
 
     _check_path(path)
+    gpu = None  # a snapshot does not name the GPU its tracker modelled
     if isinstance(source, TensorTracker):
         snapshot = source.snapshot(device)
+        gpu = None if source.gpu is None else source.gpu.name
         device = None
     elif isinstance(source, dict):
         snapshot = source
@@ -159,6 +167,9 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
             f"{type(device).__name__} {device!r:.80}"
         )
     series = memory_series(snapshot, device)
+    workspaces = snapshot_workspaces(snapshot, device)
+    if workspaces is not None and gpu is not None:
+        workspaces = dataclasses.replace(workspaces, gpu=gpu)
     figure = _matplotlib_figure()(figsize=(10, 5), layout="constrained")
     ax = figure.add_subplot()
     x = range(len(series.allocated))
@@ -188,7 +199,9 @@ def plot_memory(source: Any, path: str | os.PathLike[str] | None = None, device:
     ax.set_xlim(-0.5, len(x) - 0.5)
     ax.set_xlabel("allocator event (allocation, free or segment release), in order")
     ax.set_ylabel("memory (bytes, binary units)")
-    ax.set_title("Memory over the run: allocated (stacked by category) and reserved")
+    title = "Memory over the run: allocated (stacked by category) and reserved"
+    note = workspaces_note(workspaces)
+    ax.set_title(title if note is None else f"{title}\n{note}")
     handles, labels = ax.get_legend_handles_labels()
     order = [labels.index("allocated"), labels.index("reserved"), *range(len(names))]
     ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left", fontsize="small")

@@ -71,9 +71,8 @@ class MemlabCallback(Callback):
             trainer, pl_module, trainer.datamodule, train_dataloaders=loaders, device=device, gpu=self.gpu
         )
         if budget is not None and not self.estimate.fits(budget):
-            warnings.warn(
-                _does_not_fit(self.estimate.peak_reserved, budget, trainer, pl_module), stacklevel=2
-            )
+            needed, workspaces = self.estimate.peak_reserved, self.estimate.workspaces
+            warnings.warn(_does_not_fit(needed, budget, trainer, pl_module, workspaces), stacklevel=2)
 
     def _target(self, trainer: Any) -> str:
         if self.device is not None:
@@ -136,11 +135,16 @@ class MemlabCallback(Callback):
         return trainer.strategy.root_device.type == "cuda"
 
 
-def _does_not_fit(needed: int, budget: int, trainer: Any, module: Any) -> str:
-    """The warning: what the steps need, the budget, and what to change in the trainer's terms."""
+def _does_not_fit(needed: int, budget: int, trainer: Any, module: Any, workspaces: Any = None) -> str:
+    """The warning: what the steps need (and the modelled cuBLAS workspaces that includes), the
+    budget, and what to change in the trainer's terms."""
+    from memlab.sources.workspace_note import workspaces_note
+
+    note = workspaces_note(workspaces)
     text = (
-        f"memlab: the training steps are estimated to need {format_size(needed)} reserved, more than the "
-        f"budget of {format_size(budget)}. "
+        f"memlab: the training steps are estimated to need {format_size(needed)} reserved"
+        + ("" if note is None else f" ({note})")
+        + f", more than the budget of {format_size(budget)}. "
     )
     size = getattr(module, "batch_size", None)
     hparams = getattr(module, "hparams", None)

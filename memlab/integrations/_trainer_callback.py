@@ -160,9 +160,12 @@ class MemlabCallback(TrainerCallback):
         self.estimate = estimate(trainer, device=self._device, gpu=self.gpu)
         if self.estimate.fits(budget):
             return
-        needs = format_size(self.estimate.peak_reserved)
+        from memlab.sources.workspace_note import with_note
+
+        peak = format_size(self.estimate.peak_reserved)
+        needs = with_note(f"{peak} (estimated peak reserved", self.estimate.workspaces)
         self.warning = (
-            f"memlab: an optimizer step of this Trainer needs {needs} (estimated peak reserved) and the "
+            f"memlab: an optimizer step of this Trainer needs {needs}) and the "
             f"budget is {format_size(budget)}: {_remedy(trainer, budget, self)}"
         )
         logger.warning(self.warning)

@@ -29,6 +29,7 @@ from memlab.history.recorder import Frame, Stack, capture_stack, is_own_file
 from memlab.oom.names import Culprit, culprits
 from memlab.sources.allocator.config import allocation_size, round_size
 from memlab.sources.tracker import active_tracker
+from memlab.sources.workspace_note import ModelledWorkspaces, tracker_workspaces
 
 __all__ = [
     "Call",
@@ -98,7 +99,8 @@ class OOMCapture:
     trace where a history was recorded), ``trace_complete`` whether that trace holds every event
     since the allocator began (what a replay needs). ``gpu``: the GPU a tracker's modelled run
     models (whose cuBLAS workspaces remedies estimated for the step count), ``None`` for a real
-    GPU's error, whose remedies model the GPU in use.
+    GPU's error, whose remedies model the GPU in use; ``workspaces``: the cuBLAS workspaces that
+    run had modelled on the device, which its numbers include (``None``: none).
     ``module`` is ``(path, "forward" | "backward")``
     of the module that was running and ``activations`` ``(path, bytes)`` of the module whose saved
     tensors held the most, where a tracker recorded memory per module
@@ -129,6 +131,7 @@ class OOMCapture:
     activations: tuple[str, int] | None = None
     sequence: int = field(default_factory=lambda: next(_sequence))
     gpu: GPU | None = None
+    workspaces: ModelledWorkspaces | None = None
 
 
 def _largest_free_block(segments: Iterable[dict[str, Any]]) -> int:
@@ -255,6 +258,7 @@ def capture_tracker_oom(
         config="" if config is None else config.source,
         call=call,
         gpu=tracker.gpu if tracker.workspaces is not None else None,
+        workspaces=tracker_workspaces(tracker, device),
     )
     _modules_at_oom(capture, tracker, device)
     was_enabled = gc.isenabled()

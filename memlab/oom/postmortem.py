@@ -23,6 +23,7 @@ from memlab.oom.capture import OOMCapture, failing_frame, traceback_stack
 from memlab.oom.report import FRAGMENTATION, SHORTAGE, OOMReport, Place, Remedy
 from memlab.sources.allocator import CachingAllocatorModel
 from memlab.sources.allocator.config import K_LARGE_BUFFER, parse_alloc_conf
+from memlab.sources.workspace_note import workspaces_note
 
 __all__ = [
     "ALLOCATOR_REMEDIES",
@@ -347,4 +348,5 @@ def build_report(
         notes=tuple(notes),
         module=capture.module,
         activations=capture.activations,
+        workspaces=workspaces_note(capture.workspaces),
     )

@@ -134,6 +134,9 @@ class OOMReport:
     Where a tracker recorded memory per module, ``module`` is ``(path, "forward" | "backward")`` of
     the module running at the failure and ``activations`` ``(path, bytes)`` of the module whose
     saved tensors held the most then (paths as ``by_module`` gives them; ``""`` is the root).
+    ``workspaces``: the sentence naming the modelled cuBLAS workspaces the numbers include, which
+    the first line ends with (a tracker's run; ``None`` for a GPU's own error or where none was
+    modelled; ``CUBLAS_WORKSPACE_CONFIG=:0:0`` turns them off).
     ``notes`` are one line each: what could not be captured, and each remedy left out and why
     (``checkpointing: not estimated: CheckpointError: …``, the exception's first line).
     """
@@ -162,6 +165,7 @@ class OOMReport:
     notes: tuple[str, ...] = ()
     module: tuple[str, str] | None = None
     activations: tuple[str, int] | None = None
+    workspaces: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON-ready): every field, ``place`` as ``file``, ``line``,
@@ -188,6 +192,8 @@ class OOMReport:
         where = "" if self.place is None else f" at {self.place} in {self.place.function}"
         caught = " (caught before it left the watched block)" if self.caught else ""
         lines = [f"memlab: out of memory ({self.error_type}){where}{caught}"]
+        if self.workspaces is not None:
+            lines[0] += f"; {self.workspaces}"
         if self.place is not None and self.place.code:
             lines.append(f"  {self.place.line:>5} | {self.place.code}")
         if self.requested is None:

@@ -17,7 +17,7 @@ import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -28,6 +28,9 @@ from memlab.oom.capture import Call, OOMCapture
 from memlab.oom.report import Remedy
 from memlab.oom.state import AllocatorState
 from memlab.sources.allocator.config import K_SMALL_BUFFER
+
+if TYPE_CHECKING:
+    from memlab.estimate.result import Estimate
 
 __all__ = [
     "REMEDY_STEPS",
@@ -73,8 +76,8 @@ def _peak(
     capacity: int | None,
     call_context: CallContext | None = None,
     micro_batches: MicroBatches | None = None,
-) -> int:
-    """Peak reserved bytes of ``fn`` estimated for :data:`REMEDY_STEPS` optimizer steps (each of
+) -> Estimate:
+    """The estimate of ``fn`` for :data:`REMEDY_STEPS` optimizer steps (each of
     the calls ``micro_batches`` plans, or one), from ``start`` (the state at the failure; an empty
     allocator where it is unknown) under ``capacity`` bytes (``None``: no limit), counting the
     cuBLAS workspaces of the GPU the failing run modelled (``capture.gpu``; for a GPU's own error,
@@ -96,32 +99,35 @@ def _peak(
         start=starter,
         call_context=call_context,
         gpu=capture.gpu,
-    ).peak_reserved
+    )
+
+
+def _capped(capture: OOMCapture, start: Start, *args: Any, capacity: int, **kwargs: Any) -> int | None:
+    """:func:`_peak` under ``capacity`` bytes, or ``None`` where the step does not complete under an
+    allocator capped there (retry path included): the question every fit check asks
+    (:func:`memlab.estimate.capped.completes_under`)."""
+    from memlab.estimate.capped import completes_under
+
+    fitted = completes_under(lambda cap: _peak(capture, start, *args, capacity=cap, **kwargs), capacity)
+    return None if fitted is None else fitted.peak_reserved
 
 
 def _needed(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> int:
     """:func:`_peak` under the capacity, or where that runs out of memory, without a limit (what
     it would need)."""
-    try:
-        return _peak(capture, start, *args, capacity=capture.capacity, **kwargs)
-    except torch.OutOfMemoryError:
-        return _peak(capture, start, *args, capacity=None, **kwargs)
+    peak = _capped(capture, start, *args, capacity=capture.capacity, **kwargs)
+    return _peak(capture, start, *args, capacity=None, **kwargs).peak_reserved if peak is None else peak
 
 
 def _fit(capture: OOMCapture, start: Start, *args: Any, **kwargs: Any) -> tuple[int, bool]:
     """``(peak, spared)``: :func:`_needed`'s peak, and whether the run also fits with
     :data:`SPARE` bytes less (estimated again under ``capacity - SPARE``; from a known state only)."""
-    try:
-        peak = _peak(capture, start, *args, capacity=capture.capacity, **kwargs)
-    except torch.OutOfMemoryError:
-        return _peak(capture, start, *args, capacity=None, **kwargs), False
+    peak = _capped(capture, start, *args, capacity=capture.capacity, **kwargs)
+    if peak is None:
+        return _peak(capture, start, *args, capacity=None, **kwargs).peak_reserved, False
     if not isinstance(start, AllocatorState):
         return peak, False
-    try:
-        _peak(capture, start, *args, capacity=capture.capacity - SPARE, **kwargs)
-    except torch.OutOfMemoryError:
-        return peak, False
-    return peak, True
+    return peak, _capped(capture, start, *args, capacity=capture.capacity - SPARE, **kwargs) is not None
 
 
 def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
@@ -147,25 +153,26 @@ def micro_batch_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     values = (*call.args, *call.kwargs.values())
     batched = [isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] == size for v in values]
 
-    def peak(micro: int, capacity: int | None) -> tuple[int, bool]:
+    def peak(micro: int, capacity: int | None) -> tuple[int | None, bool]:
+        """The micro-batched step's peak under ``capacity`` (``None``: it does not complete there;
+        a ``capacity`` of ``None``: unbounded), and whether its middle micro-batches were unproven."""
         plan = MicroBatches(size, micro, dim)
         step = plan.step(call.func, batched, len(call.args), list(call.kwargs))
-        return _peak(capture, start, step, lambda: (values, {}), capacity, micro_batches=plan), plan.unproven
+        arguments = (step, lambda: (values, {}))
+        if capacity is None:
+            return _peak(capture, start, *arguments, None, micro_batches=plan).peak_reserved, plan.unproven
+        return _capped(capture, start, *arguments, capacity=capacity, micro_batches=plan), plan.unproven
 
     def fits(micro: int) -> bool:  # with one small segment to spare (see unsure())
-        try:
-            peak(micro, capture.capacity - SPARE)
-        except torch.OutOfMemoryError:
-            return False
-        return True
+        return peak(micro, capture.capacity - SPARE)[0] is not None
 
     micro = search(fits, 1, size)[0]
     if micro >= size:
         return None
-    try:
-        needs, unproven = peak(max(micro, 1), capture.capacity)
-    except torch.OutOfMemoryError:
+    needs, unproven = peak(max(micro, 1), capture.capacity)
+    if needs is None:
         needs, unproven = peak(1, None)
+    assert needs is not None
     steps = math.ceil(size / max(micro, 1))
     why = unsure(start, spared=micro > 0)
     if why is None and unproven:

@@ -108,15 +108,19 @@ def _device(device: Any) -> str:
 
 def check_memory(limit: MemoryLimit, measurement: Measurement, root: str | None = None) -> str | None:
     """The failure message of a test whose peak of ``limit.metric`` exceeded ``limit.limit``, else
-    ``None``: one line with the limit and the peak, then the sites that held the most at the peak
-    (``root``: the folder file names are shown relative to)."""
+    ``None``: one line with the limit and the peak (and the modelled cuBLAS workspaces the peak
+    includes: :func:`memlab.sources.workspace_note.workspaces_note`), then the sites that held the
+    most at the peak (``root``: the folder file names are shown relative to)."""
+    from memlab.sources.workspace_note import with_note
+
     peak = measurement.peak(limit.metric)
     if peak <= limit.limit:
         return None
     limited, peaked = format_sizes_apart(limit.limit, peak)
-    head = (
+    head = with_note(
         f"Test was limited to {limited} of {limit.metric} tensor memory "
-        f"but peaked at {peaked} on {measurement.device}"
+        f"but peaked at {peaked} on {measurement.device}",
+        measurement.workspaces,
     )
     return "\n".join([head, *_site_lines(measurement.peak_sites(limit.metric), "held at the peak", root)])
 
@@ -125,12 +129,15 @@ def check_leaks(limit: LeakLimit, measurement: Measurement, root: str | None = N
     """The failure message of a test whose tensors still alive at its end (after ``gc.collect()``)
     take more than ``limit.limit``, else ``None``: one line with the limit and the bytes, then where
     each surviving tensor was allocated (``root`` as in :func:`check_memory`)."""
+    from memlab.sources.workspace_note import with_note
+
     if measurement.leaked <= limit.limit:
         return None
     limited, leaked = format_sizes_apart(limit.limit, measurement.leaked)
-    head = (
+    head = with_note(
         f"Test was limited to {limited} of leaked tensor memory "
-        f"but {leaked} was still allocated at its end on {measurement.device}"
+        f"but {leaked} was still allocated at its end on {measurement.device}",
+        measurement.workspaces,  # allocated for the process's life: they count as left behind
     )
     return "\n".join([head, *_site_lines(measurement.leak_sites(), "still alive", root)])
 

@@ -23,6 +23,7 @@ from memlab._devices import cuda_device_exists, parse_device, with_index
 from memlab.history.recorder import is_own_file
 from memlab.history.series import Segments
 from memlab.sources.tracker import TensorTracker
+from memlab.sources.workspace_note import ModelledWorkspaces, tracker_workspaces
 
 __all__ = ["Measurement", "Site", "measured"]
 
@@ -65,6 +66,9 @@ class Measurement:
     reserved_peak: int = 0
     leaked: int = 0
     snapshot: dict[str, Any] | None = field(default=None, repr=False)
+    #: The modelled cuBLAS workspaces the peaks include (a tracker's run that did a matmul; ``None``
+    #: on a real GPU, whose allocator holds its own, or where none was modelled).
+    workspaces: ModelledWorkspaces | None = None
 
     def peak(self, metric: str) -> int:
         """The peak of ``metric``: ``"allocated"`` or ``"reserved"``."""
@@ -166,8 +170,10 @@ def measured(
     asked for, or with ``device=None`` or a CUDA device absent here, on the device where they
     peaked highest. ``leaks``: run ``gc.collect()`` before reading what is left.
 
-    What it cannot see is what a tracker or ``torch.cuda.memory_stats`` cannot see: kernel
-    workspaces (tracker), the CUDA context, memory allocated outside PyTorch's allocator.
+    A tracker's peaks include the cuBLAS workspaces its modelled GPU allocates at the block's first
+    matmul (``measurement.workspaces``; ``CUBLAS_WORKSPACE_CONFIG=:0:0`` turns them off). What it
+    cannot see is what a tracker or ``torch.cuda.memory_stats`` cannot see: cuDNN workspaces
+    (tracker), the CUDA context, memory allocated outside PyTorch's allocator.
     """
     __tracebackhide__ = True
     measurement = Measurement() if into is None else into
@@ -200,6 +206,7 @@ def _read_tracker(
     measurement.allocated_peak = stats["allocated_bytes.all.peak"]
     measurement.reserved_peak = stats["reserved_bytes.all.peak"]
     measurement.leaked = stats["allocated_bytes.all.current"]
+    measurement.workspaces = tracker_workspaces(tracker, chosen)
     if history:
         measurement.snapshot = tracker.snapshot(chosen)
 

@@ -185,8 +185,10 @@ class MeasuringPlugin:
         self.default = default
         self.table = table
         self.top = top
-        #: ``(nodeid, device, allocated peak, reserved peak)`` of each measured test, in run order
-        self.peaks: list[tuple[str, str, int, int]] = []
+        #: ``(nodeid, device, allocated peak, reserved peak, workspaces)`` of each measured test, in run
+        #: order; ``workspaces`` is the sentence naming the modelled cuBLAS workspaces the peaks
+        #: include (:func:`memlab.sources.workspace_note.workspaces_note`), ``""`` where none
+        self.peaks: list[tuple[str, str, int, int, str]] = []
         #: ``"gw1: why"`` for each pytest-xdist worker whose peaks did not come back
         self.lost: list[str] = []
         if workeroutput is not None:  # a pytest-xdist worker: its peaks go to the controller's table
@@ -213,9 +215,11 @@ class MeasuringPlugin:
                     raise
         finally:
             if self.table:  # failed tests too: their peaks are real
-                self.peaks.append(
-                    (item.nodeid, measurement.device, measurement.allocated_peak, measurement.reserved_peak)
-                )
+                from memlab.sources.workspace_note import workspaces_note
+
+                note = workspaces_note(measurement.workspaces) or ""
+                peaks = measurement.allocated_peak, measurement.reserved_peak
+                self.peaks.append((item.nodeid, measurement.device, *peaks, note))
         root = str(item.config.rootpath)
         failures = [
             message
@@ -243,11 +247,13 @@ class MeasuringPlugin:
             return
         try:
             self.peaks += [
-                (str(nodeid), str(device), int(allocated), int(reserved))
-                for nodeid, device, allocated, reserved in rows
+                (str(nodeid), str(device), int(allocated), int(reserved), str(note[0]) if note else "")
+                for nodeid, device, allocated, reserved, *note in rows
             ]
         except (TypeError, ValueError):  # another memlab's format: say so rather than fail the run
-            self.lost.append(f"{worker}: its measurements are not (test, device, allocated, reserved) rows")
+            self.lost.append(
+                f"{worker}: its measurements are not (test, device, allocated, reserved[, note]) rows"
+            )
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.table or _WORKER_PEAKS in getattr(terminalreporter.config, "workeroutput", {}):
@@ -255,13 +261,16 @@ class MeasuringPlugin:
         terminalreporter.section("memlab: tests with the highest tensor peaks")
         shown = sorted(self.peaks, key=lambda row: (-row[2], -row[3], row[0]))[: self.top]
         terminalreporter.write_line(f"{'allocated':>10} {'reserved':>10}  {'device':<7} test")
-        for nodeid, device, allocated, reserved in shown:
+        for nodeid, device, allocated, reserved, note in shown:
             terminalreporter.write_line(
                 f"{format_size(allocated):>10} {format_size(reserved):>10}  {device:<7} {nodeid}"
+                + (f"  ({note})" if note else "")
             )
         terminalreporter.write_line(
             "Peaks of each test call's own tensors (setup and teardown excluded); cuda: torch.cuda."
             "memory_stats, other devices: the CUDA caching allocator modelled by memlab.TensorTracker"
+            " (with the cuBLAS workspaces of the GPU it models, named after the test where a matmul made "
+            "them; CUBLAS_WORKSPACE_CONFIG=:0:0 turns them off)"
         )
         for lost in self.lost:
             terminalreporter.write_line(f"Not in this table: the tests of pytest-xdist worker {lost}")

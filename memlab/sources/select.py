@@ -26,6 +26,7 @@ import torch
 from memlab._devices import cuda_device_exists, parse_device, require_usable, with_index
 from memlab._units import format_size
 from memlab.sources.base import MemorySource
+from memlab.sources.workspace_note import tracker_workspaces, with_note
 
 __all__ = [
     "SOURCE_FORMS",
@@ -79,7 +80,11 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
     (torch.cuda.memory_stats)`` or ``modelled: CUDA caching allocator replayed from cpu tensors
     (memlab.TensorTracker); 2 tensor storages (40.50K) existed before profiling``. When a tracker
     counted tensors, but none on ``device`` (``target_gpu="meta"`` on a program that works on the
-    CPU), it says so and names the devices it did count tensors on."""
+    CPU), it says so and names the devices it did count tensors on. Where the tracker modelled
+    cuBLAS workspaces on ``device``, it says how many, of which GPU, and their bytes (``includes 2
+    modelled cuBLAS workspaces of the H100: 64.00M``,
+    :func:`memlab.sources.workspace_note.workspaces_note`); ``CUBLAS_WORKSPACE_CONFIG=:0:0`` in the
+    environment turns them off."""
     from memlab.sources.cuda import CudaSource
     from memlab.sources.tracker import TensorTracker
 
@@ -115,6 +120,7 @@ def describe_source(source: Any, device: torch.device | None, fallback: bool = F
             f"; no tensor was made on {device}, so every byte column is 0: the tensors were on "
             f"{', '.join(map(str, elsewhere))} (measure {elsewhere[0]} to see them)"
         )
+    text = with_note(text, tracker_workspaces(source, device))  # CUBLAS_WORKSPACE_CONFIG=:0:0: none
     autocast = source.disabled_cuda_autocast.describe()
     if autocast:
         text += f"; {autocast}"

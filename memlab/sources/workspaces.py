@@ -276,7 +276,8 @@ class CublasWorkspaces:
     ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when ``torch.backends.cuda.preferred_blas_library()``
     is cuBLASLt. An op whose operands are empty returns before taking a handle and allocates none.
 
-    ``keys`` holds the keys with a workspace, in the order allocated; :meth:`present` makes the
+    ``keys`` holds the keys with a workspace, in the order allocated (``nbytes``: the size of each,
+    0 where ``CUBLAS_WORKSPACE_CONFIG=:0:0`` turned it off); :meth:`present` makes the
     first keys asked for on a device use workspaces an allocator already holds (a run resumed from
     a recorded state). ``convolutions`` names the convolution ops seen (see :meth:`caveats`).
     Ops on real CUDA tensors allocate nothing here: the GPU's own allocator does it.
@@ -286,6 +287,7 @@ class CublasWorkspaces:
         self.gpu = gpu
         self.sizes = sizes if sizes is not None else workspace_sizes(gpu)
         self.keys: list[tuple[str, torch.device, int, str | int]] = []
+        self.nbytes: list[int] = []
         self.convolutions: list[str] = []
         self._present: dict[tuple[str, torch.device], int] = {}
         self._lt = _packets(CUBLASLT_OPS)
@@ -325,13 +327,15 @@ class CublasWorkspaces:
         key = (pool, device, _stream(tensors[0].device), _handle())
         if key in self.keys:
             return
+        nbytes = self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas
         if self._present.get((pool, device), 0) > 0:
             self._present[(pool, device)] -= 1
         else:
             # a workspace that runs out of memory is not kept: the next op asks again, as PyTorch's
             # map of workspaces gets its entry only once getNewWorkspace() returned
-            allocate(device, self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas)
+            allocate(device, nbytes)
         self.keys.append(key)
+        self.nbytes.append(nbytes)
 
     def caveats(self) -> list[str]:
         """One sentence naming the cuDNN convolution workspaces the run would have, if it had any."""

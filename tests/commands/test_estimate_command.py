@@ -96,6 +96,14 @@ def test_gpt2_config_equals_the_hand_written_step(capsys: pytest.CaptureFixture[
     assert answer["parameters"] == sum(p.numel() for p in params) == 136_960
     assert answer["by_category"]["parameter"] == sum(blocks(p.nbytes) for p in params) == 551_936
     assert answer["model_class"] == "GPT2LMHeadModel"
+    # the forward's and the autograd thread's cuBLAS workspaces, :4096:2:16:8 each on sm80
+    assert answer["workspaces"] == {
+        "count": 2,
+        "bytes": 2 * 8_519_680,
+        "gpu": "A100",
+        "note": "includes 2 modelled cuBLAS workspaces of the A100: 16.25M",
+    }
+    assert answer["by_category"]["workspace"] == 2 * 8_519_680
     assert answer["fits"] is True
     assert answer["budget"] == 81_920 * 2**20 - 512 * 2**20  # the A100's memory less the context's
 
@@ -210,7 +218,10 @@ def test_max_batch_size_equals_memlab_max_batch_size(capsys: pytest.CaptureFixtu
 def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", GPT2, "--seq-len", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"memlab estimate: {GPT2} (GPT2LMHeadModel, 137K parameters)"
+    assert lines[0] == (
+        f"memlab estimate: {GPT2} (GPT2LMHeadModel, 137K parameters); includes 2 modelled cuBLAS "
+        "workspaces of the H100: 64.00M"
+    )
     assert lines[1] == "one step of adamw, batch 1 x 32 tokens, float32, on H100"
     assert lines[3] == "fits on H100 (79.15G usable: its memory less 512 MiB for the CUDA context)"
     assert lines[4] == "at the peak of allocated bytes:"

@@ -455,7 +455,8 @@ def test_a_tracked_cpu_run_says_the_region_ran_in_float32():
                 model(torch.ones(2, 8))
     assert describe_source(tracker, torch.device("cpu")) == (
         "modelled: CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); tensors made "
-        "before the tracker was entered are not counted; torch.autocast('cuda', torch.bfloat16) ran "
+        "before the tracker was entered are not counted; includes 1 modelled cuBLAS workspace of the H100: "
+        "32.00M; torch.autocast('cuda', torch.bfloat16) ran "
         "disabled, in float32 for float32 inputs (PyTorch without CUDA disables it; on a GPU CUDA's "
         "autocast op lists apply: smaller activations, cast copies of the weights)"
     )

@@ -322,7 +322,7 @@ def test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see():
     assert text.splitlines()[:3] == [
         "memlab estimate of test_estimate_text_names_the_method_the_peaks_and_what_it_cannot_see.<locals>."
         "forward on cpu (fake tensors; H100 (sm90) modelled: CUDA caching allocator, cuBLAS workspaces; "
-        "1 step)",
+        "1 step); includes 1 modelled cuBLAS workspace of the H100: 32.00M",
         "peak allocated 38.00M, active 38.00M, reserved 56.00M",
         "at the end: allocated 37.00M, reserved 56.00M",
     ]
@@ -354,7 +354,8 @@ def test_line_profile_gives_the_line_profiler_table_without_allocating():
     ]
     assert frame.attrs["source"] == (
         "estimated (fake tensors, cpu's kernels; memlab.estimate): CUDA caching allocator replayed from meta "
-        "tensors (memlab.TensorTracker); 3 tensor storages (12.00M) existed before profiling"
+        "tensors (memlab.TensorTracker); 3 tensor storages (12.00M) existed before profiling; includes 2 "
+        "modelled cuBLAS workspaces of the H100: 64.00M"
     )
     assert model[0].weight.grad is None
 
@@ -545,8 +546,10 @@ def test_the_linear_step_for_an_h100_and_an_a100_differs_by_their_workspaces():
     assert (h100.gpu.name, a100.gpu.name) == ("H100", "A100")
     assert repr(a100).splitlines()[0] == (
         "memlab estimate of linear_step.<locals>.step on cuda (fake tensors; A100 (sm80) modelled: CUDA "
-        "caching allocator, cuBLAS workspaces; 1 step)"
+        "caching allocator, cuBLAS workspaces; 1 step); includes 1 modelled cuBLAS workspace of the A100: "
+        "8.12M"
     )
+    assert a100.workspaces.nbytes == A100_WORKSPACE == 8_519_680  # :4096:2:16:8 on sm80
 
 
 @pytest.mark.parametrize(

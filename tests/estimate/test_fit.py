@@ -112,7 +112,8 @@ def test_headroom_and_bounds():
     with_headroom = memlab.max_batch_size(step, make_batch, "112 MiB", headroom=BUDGET - one + 1)
     assert with_headroom.batch_size == 0 and with_headroom.estimate is None
     assert with_headroom.next_size == 1 and with_headroom.next_estimate.peak_reserved == one
-    assert repr(with_headroom).endswith(f": 0; 1 needs {format_size(one)}; 2 estimates")
+    note = "includes 2 modelled cuBLAS workspaces of the H100: 64.00M"  # the step's two matmul threads
+    assert repr(with_headroom).endswith(f": 0; 1 needs {format_size(one)}; 2 estimates; {note}")
     capped = memlab.max_batch_size(step, make_batch, "112 MiB", low=3, high=5)
     assert (capped.batch_size, capped.next_estimate, capped.next_size, capped.estimates) == (5, None, None, 2)
 
@@ -123,7 +124,8 @@ def test_the_size_that_needs_the_bytes_is_the_one_named():
     fit = memlab.max_batch_size(step, make_batch, "8 MiB", low=100_000)
     needs = memlab.estimate(step, *make_batch(100_000), steps=2).peak_reserved
     assert (fit.batch_size, fit.next_size) == (0, 100_000)
-    assert repr(fit).endswith(f": 0; 100000 needs {format_size(needs)}; 2 estimates")
+    note = "includes 2 modelled cuBLAS workspaces of the H100: 64.00M"
+    assert repr(fit).endswith(f": 0; 100000 needs {format_size(needs)}; 2 estimates; {note}")
 
 
 def test_default_budget_is_the_active_trackers_capacity():

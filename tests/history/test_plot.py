@@ -67,7 +67,17 @@ def test_plot_memory_writes_a_png(tmp_path):
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE
     assert len(data) > len(PNG_SIGNATURE)
-    assert figure.axes[0].get_title() == "Memory over the run: allocated (stacked by category) and reserved"
+    assert figure.axes[0].get_title() == (
+        "Memory over the run: allocated (stacked by category) and reserved\n"
+        "includes 2 modelled cuBLAS workspaces of the H100: 64.00M"  # the step's matmuls, 32 MiB each
+    )
+    # a snapshot does not name the GPU its tracker modelled
+    assert (
+        memlab.plot_memory(tracker.snapshot())
+        .axes[0]
+        .get_title()
+        .endswith("\nincludes 2 modelled cuBLAS workspaces: 64.00M")
+    )
 
 
 def test_plotted_lines_are_the_trackers_allocated_and_reserved_bytes_after_each_event():

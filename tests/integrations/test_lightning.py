@@ -155,7 +155,8 @@ def test_callback_logs_the_tracked_peaks_and_warns_when_the_steps_do_not_fit(cas
     trainer = cases.make_trainer(callbacks=[callback])
     trainer.loggers = [Recorder()]
     message = (
-        "memlab: the training steps are estimated to need 66.00M reserved, more than the budget of "
+        "memlab: the training steps are estimated to need 66.00M reserved (includes 2 modelled cuBLAS "
+        "workspaces of the H100: 64.00M), more than the budget of "
         "1.00M. Lower batch_size=8 (memlab.integrations.lightning.max_batch_size(trainer, module, "
         "budget=...) finds the largest that fits, about 1 by proportion) and raise "
         "accumulate_grad_batches from 2 to 16 to keep the effective batch."

@@ -56,7 +56,10 @@ def test_profiled_function_reports_the_failing_line_and_largest_tensor(capsys):
     assert err == report.text() + "\n"
     lines = err.splitlines()
     failing = step.__code__.co_firstlineno + 2
-    assert lines[0] == f"memlab: out of memory (OutOfMemoryError) at {HERE}:{failing} in step"
+    assert lines[0] == (  # the forward's matmul took the H100's first 32 MiB cuBLAS workspace
+        f"memlab: out of memory (OutOfMemoryError) at {HERE}:{failing} in step; includes 1 modelled cuBLAS "
+        "workspace of the H100: 32.00M"
+    )
     assert lines[1] == f"  {failing:>5} | grown = torch.empty(_floats(48))  # the failing line"
     assert report.requested == 48 * MIB
     assert report.capacity == 40 * MIB + WORKSPACE
@@ -171,7 +174,8 @@ def test_a_line_profiler_session_explains_an_oom(capsys):
     with memlab.TensorTracker(capacity="40 MiB"), pytest.raises(torch.OutOfMemoryError), lp:
         step(torch.nn.Linear(8, 8), torch.ones(2, 8))
     assert capsys.readouterr().err.startswith(
-        f"memlab: out of memory (OutOfMemoryError) at {HERE}:{step.__code__.co_firstlineno + 2} in step\n"
+        f"memlab: out of memory (OutOfMemoryError) at {HERE}:{step.__code__.co_firstlineno + 2} in step; "
+        "includes 1 modelled cuBLAS workspace of the H100: 32.00M\n"
     )
 
 

@@ -51,7 +51,8 @@ def test_the_text_fits_a_screen_and_names_everything_once():
     made = _report.__code__.co_firstlineno + 3
     call = _report.__code__.co_firstlineno + 5
     assert report.text().splitlines() == [
-        f"memlab: out of memory (OutOfMemoryError) at {here}:{line} in grow",
+        f"memlab: out of memory (OutOfMemoryError) at {here}:{line} in grow; includes 1 modelled cuBLAS "
+        "workspace of the H100: 32.00M",
         f"  {line:>5} | return torch.empty(48 * MIB // 4) + h.sum()",
         "  requested 48.00M (block 48.00M, new segment 48.00M) on cpu, modelled CUDA caching allocator",
         "  capacity 72.00M  reserved 54.00M  allocated 40.05M  free 18.00M",  # 32 MiB of it the workspace

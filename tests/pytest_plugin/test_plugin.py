@@ -106,7 +106,9 @@ def test_the_memlab_table_lists_the_highest_peaks_allocated_and_reserved(pyteste
         "     8.00M     20.00M  cpu     test_file.py::test_plain",
         "     4.00M     22.00M  cpu     test_file.py::test_leak",
         "Peaks of each test call's own tensors (setup and teardown excluded); cuda: torch.cuda.memory_stats, "
-        "other devices: the CUDA caching allocator modelled by memlab.TensorTracker",
+        "other devices: the CUDA caching allocator modelled by memlab.TensorTracker (with the cuBLAS "
+        "workspaces of the GPU it models, named after the test where a matmul made them; "
+        "CUBLAS_WORKSPACE_CONFIG=:0:0 turns them off)",
     ]
     assert "memlab: tests with the highest tensor peaks" in result.outlines[result.outlines.index(header) - 1]
 
@@ -306,3 +308,35 @@ def test_a_request_a_tracker_in_the_test_refuses_is_not_in_the_table(pytester):
         header,
         "     4.00M     20.00M  cpu     test_file.py::test_nested_capacity",
     ]
+
+
+MATMUL = """\
+import pytest
+import torch
+
+
+@pytest.mark.limit_tensor_memory("16 MiB")
+def test_linear():
+    model = torch.nn.Linear(1024, 1024)
+    model(torch.randn(1024, 1024)).sum().backward()
+"""
+
+
+def test_a_matmul_tests_message_and_row_name_the_modelled_workspaces(pytester):
+    """The forward's and the autograd thread's cuBLAS workspaces of the H100 modelled, 32 MiB each
+    (CublasHandlePool.cpp on sm90), are in the peak: the message and the table say so."""
+    result = run(pytester, MATMUL, "--memlab")
+    result.assert_outcomes(failed=1)
+    note = "includes 2 modelled cuBLAS workspaces of the H100: 64.00M"
+    (head,) = [line for line in result.outlines if line.startswith("Test was limited to 16.00M")]
+    assert head.endswith(f" on cpu; {note}")
+    (row,) = [line for line in result.outlines if line.endswith("test_file.py::test_linear  (" + note + ")")]
+    assert row.split()[2] == "cpu"
+
+
+def test_cublas_workspace_config_0_0_leaves_the_workspaces_out(pytester, monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    result = run(pytester, MATMUL, "--memlab")
+    result.assert_outcomes(passed=1)  # the tensors alone fit in 16 MiB
+    (row,) = [line for line in result.outlines if "test_file.py::test_linear" in line and "cpu" in line]
+    assert row.endswith("test_file.py::test_linear")

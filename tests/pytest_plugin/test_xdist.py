@@ -84,8 +84,8 @@ def test_a_worker_sends_its_peaks_and_prints_no_table_of_its_own(pytester):
     # float32: 4 MiB in a 4 MiB block of a 20 MiB segment; 16 MiB: its own 16 MiB segment
     assert output == {
         "memlab_peaks": [
-            ["test_file.py::test_small", "cpu", 4 * 2**20, 20 * 2**20],
-            ["test_file.py::test_big", "cpu", 16 * 2**20, 16 * 2**20],
+            ["test_file.py::test_small", "cpu", 4 * 2**20, 20 * 2**20, ""],
+            ["test_file.py::test_big", "cpu", 16 * 2**20, 16 * 2**20, ""],
         ]
     }
     assert not any("memlab: tests with the highest tensor peaks" in line for line in lines)
@@ -107,6 +107,8 @@ def test_the_controller_lists_every_worker_s_tests_and_names_a_worker_that_crash
         "    16.00M     16.00M  cpu     test_file.py::test_big",
         "     4.00M     20.00M  cpu     test_file.py::test_small",
         "Peaks of each test call's own tensors (setup and teardown excluded); cuda: torch.cuda.memory_stats, "
-        "other devices: the CUDA caching allocator modelled by memlab.TensorTracker",
+        "other devices: the CUDA caching allocator modelled by memlab.TensorTracker (with the cuBLAS "
+        "workspaces of the GPU it models, named after the test where a matmul made them; "
+        "CUBLAS_WORKSPACE_CONFIG=:0:0 turns them off)",
         "Not in this table: the tests of pytest-xdist worker gw2: Not properly terminated",
     ]
