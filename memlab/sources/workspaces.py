@@ -292,24 +292,24 @@ def _is_real_cuda(tensor: torch.Tensor) -> bool:
 class CublasWorkspaces:
     """The cuBLAS/cuBLASLt workspaces of one modelled GPU run, by (device, stream, handle).
 
-    :meth:`after_op` is called by the tracker after each op of :func:`workspace_ops` has run and its outputs
-    were counted (PyTorch allocates an op's output before its kernel takes the cuBLAS handle): for
-    an op that takes a handle on a (device, stream, handle) key without a workspace yet, it calls
-    ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the default from
-torch 2.12 on, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` on 2.11) a
-    cuBLASLt op uses the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it
-    is the first (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
-    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (unset on 2.11) it allocates its own of ``sizes.cublaslt``
-    bytes (none when that is 0).
-    Which ops run through cuBLASLt: :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose
-    bias can be fused (``Blas.cpp``: ``isInputCompliesAddmmCudaLt``, unless
-    ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when ``torch.backends.cuda.preferred_blas_library()``
-    is cuBLASLt. An op whose operands are empty returns before taking a handle and allocates none.
+        :meth:`after_op` is called by the tracker after each op of :func:`workspace_ops` has run and its outputs
+        were counted (PyTorch allocates an op's output before its kernel takes the cuBLAS handle): for
+        an op that takes a handle on a (device, stream, handle) key without a workspace yet, it calls
+        ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the default from
+    torch 2.12 on, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` on 2.11) a
+        cuBLASLt op uses the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it
+        is the first (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
+        ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (unset on 2.11) it allocates its own of ``sizes.cublaslt``
+        bytes (none when that is 0).
+        Which ops run through cuBLASLt: :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose
+        bias can be fused (``Blas.cpp``: ``isInputCompliesAddmmCudaLt``, unless
+        ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when ``torch.backends.cuda.preferred_blas_library()``
+        is cuBLASLt. An op whose operands are empty returns before taking a handle and allocates none.
 
-    ``keys`` holds the keys with a workspace, in the order allocated; :meth:`present` makes the
-    first keys asked for on a device use workspaces an allocator already holds (a run resumed from
-    a recorded state). ``convolutions`` names the convolution ops seen (see :meth:`caveats`).
-    Ops on real CUDA tensors allocate nothing here: the GPU's own allocator does it.
+        ``keys`` holds the keys with a workspace, in the order allocated; :meth:`present` makes the
+        first keys asked for on a device use workspaces an allocator already holds (a run resumed from
+        a recorded state). ``convolutions`` names the convolution ops seen (see :meth:`caveats`).
+        Ops on real CUDA tensors allocate nothing here: the GPU's own allocator does it.
     """
 
     def __init__(self, gpu: GPU, sizes: WorkspaceSizes | None = None) -> None:

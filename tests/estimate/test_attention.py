@@ -26,6 +26,8 @@ def a_cpu_build(monkeypatch):
     without a GPU would otherwise answer with the cuDNN and CUDA it ships."""
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
+
+
 SM80, SM86, SM89, SM90, SM100 = (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)
 
 
