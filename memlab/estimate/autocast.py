@@ -92,19 +92,9 @@ if not torch_at_least(2, 13):
     # Dimname overloads are (AT_FORALL_FP32_SET_OPT_DTYPE, and norm.names_ScalarOpt_dim in
     # AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE). 2.12 is taken to be 2.11's (not checked).
     del CUDA_AUTOCAST_OPS["rms_norm"]
-    CUDA_AUTOCAST_OPS.update(
-        dict.fromkeys(
-            (
-                "prod.dim_Dimname",
-                "softmax.Dimname",
-                "log_softmax.Dimname",
-                "cumprod.dimname",
-                "cumsum.dimname",
-                "sum.dim_DimnameList",
-            ),
-            "fp32_set_opt_dtype",
-        )  # fmt: skip
-    )
+    _DIMNAME_SET_OPT_DTYPE = ("prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname",
+                              "cumsum.dimname", "sum.dim_DimnameList")  # fmt: skip
+    CUDA_AUTOCAST_OPS.update(dict.fromkeys(_DIMNAME_SET_OPT_DTYPE, "fp32_set_opt_dtype"))
     CUDA_AUTOCAST_OPS["norm.names_ScalarOpt_dim"] = "fp32_append_dtype"
     _FP32_APPEND_DTYPE["norm.names_ScalarOpt_dim"] = "norm.names_ScalarOpt_dim_dtype"
 if torch_at_least(2, 14):

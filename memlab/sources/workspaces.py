@@ -10,8 +10,8 @@ follow PyTorch's ``aten/src/ATen/cuda/CublasHandlePool.cpp`` in the version that
 with ``set/resetChosenWorkspaceSize``, as ``ATen/cuda/CUDAContextLight.h`` of the installed torch
 declares): :func:`workspace_sizes` reads ``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE``
 and ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` as that file does in the installed torch (whether cuBLASLt
-shares the cuBLAS workspace by default changed in 2.12: :data:`UNIFIED_BY_DEFAULT_SINCE`), and :class:`CublasWorkspaces` decides,
-op by op, which workspace an op needs and whether it exists yet.
+shares the cuBLAS workspace by default changed in 2.12: :data:`UNIFIED_BY_DEFAULT_SINCE`), and
+:class:`CublasWorkspaces` decides, op by op, which workspace an op needs and whether it exists yet.
 
 A tracker that models a GPU for tensors that are not on one (a CPU or ``meta`` run, or an estimate's
 fake tensors) allocates these workspaces in its allocator model; on a real GPU the real allocator
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from memlab._gpus import GPU
-from memlab._torch_version import torch_at_least
 from memlab._tensors import storages_of
+from memlab._torch_version import torch_at_least
 
 __all__ = [
     "BLAS_OPS",
@@ -292,24 +292,24 @@ def _is_real_cuda(tensor: torch.Tensor) -> bool:
 class CublasWorkspaces:
     """The cuBLAS/cuBLASLt workspaces of one modelled GPU run, by (device, stream, handle).
 
-        :meth:`after_op` is called by the tracker after each op of :func:`workspace_ops` has run and its outputs
-        were counted (PyTorch allocates an op's output before its kernel takes the cuBLAS handle): for
-        an op that takes a handle on a (device, stream, handle) key without a workspace yet, it calls
-        ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the default from
-    torch 2.12 on, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` on 2.11) a
-        cuBLASLt op uses the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it
-        is the first (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
-        ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (unset on 2.11) it allocates its own of ``sizes.cublaslt``
-        bytes (none when that is 0).
-        Which ops run through cuBLASLt: :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose
-        bias can be fused (``Blas.cpp``: ``isInputCompliesAddmmCudaLt``, unless
-        ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when ``torch.backends.cuda.preferred_blas_library()``
-        is cuBLASLt. An op whose operands are empty returns before taking a handle and allocates none.
+    :meth:`after_op` is called by the tracker after each op of :func:`workspace_ops` has run and its
+    outputs were counted (PyTorch allocates an op's output before its kernel takes the cuBLAS
+    handle): for an op that takes a handle on a (device, stream, handle) key without a workspace
+    yet, it calls ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the
+    default from torch 2.12 on, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` on 2.11) a cuBLASLt op uses
+    the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it is the first
+    (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (or unset on 2.11) it allocates its own of
+    ``sizes.cublaslt`` bytes (none when that is 0). Which ops run through cuBLASLt:
+    :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose bias can be fused (``Blas.cpp``:
+    ``isInputCompliesAddmmCudaLt``, unless ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when
+    ``torch.backends.cuda.preferred_blas_library()`` is cuBLASLt. An op whose operands are empty
+    returns before taking a handle and allocates none.
 
-        ``keys`` holds the keys with a workspace, in the order allocated; :meth:`present` makes the
-        first keys asked for on a device use workspaces an allocator already holds (a run resumed from
-        a recorded state). ``convolutions`` names the convolution ops seen (see :meth:`caveats`).
-        Ops on real CUDA tensors allocate nothing here: the GPU's own allocator does it.
+    ``keys`` holds the keys with a workspace, in the order allocated; :meth:`present` makes the
+    first keys asked for on a device use workspaces an allocator already holds (a run resumed from
+    a recorded state). ``convolutions`` names the convolution ops seen (see :meth:`caveats`).
+    Ops on real CUDA tensors allocate nothing here: the GPU's own allocator does it.
     """
 
     def __init__(self, gpu: GPU, sizes: WorkspaceSizes | None = None) -> None:
