@@ -33,10 +33,13 @@ import os
 
 import torch
 
+from memlab._torch_version import torch_at_least
+
 __all__ = [
     "ASSUMED_CUDA_MAJOR",
     "ASSUMED_CUDNN_VERSION",
     "BACKEND_OPS",
+    "FRONTEND_D256_RULE_SINCE",
     "cudnn_version",
     "prefers_cudnn",
     "priority_order",
@@ -61,6 +64,14 @@ _DEFAULT_ORDER = [1, 2, 0, 3, 4]  # ATen/Context.h: sdp_priority_order
 _CUDNN_FIRST = [3, 1, 2, 0, 4]  # sdp_utils.cpp: priority_order, when check_prefer_cudnn_attention()
 _HALF = (torch.float16, torch.bfloat16)
 _FRONTEND_SUPPORTS_D256 = False  # sdp_utils.cpp: kCuDNNFrontendSupportsD256 (cudnn-frontend >= 1.24)
+#: The first torch whose cuDNN attention takes head dims above 128 only with a cudnn-frontend that
+#: supports d256 (pytorch/pytorch#185553, after 2.12's release): 2.13. Before it (torch 2.11.0's
+#: ``check_cudnn_tensor_shapes``, read from its ``libtorch_cuda.so``; an H100 with torch 2.11.0 and
+#: cuDNN 9.19 ran cuDNN attention for float16 and bfloat16 at every head dim up to 256, with and
+#: without grad, causal or not, grouped-query or not) the limit is 256 on compute capability 9.x
+#: with cuDNN 9.10.0 or newer, 192 for query/key with 128 for value on 10.x with cuDNN 9.11.0 or
+#: newer, else 128, and no backward rule for d256.
+FRONTEND_D256_RULE_SINCE = (2, 13)
 
 #: The aten op each backend runs.
 BACKEND_OPS = {
@@ -228,7 +239,13 @@ def _cudnn_shapes_fit(
     unsupported_sm107 = major == 10 and minor == 7 and version <= 92500
     supports_d256 = sm90_or_sm10x and not unsupported_sm107 and version > 92200 and _FRONTEND_SUPPORTS_D256
     limit = 128
-    if supports_d256:
+    if not torch_at_least(*FRONTEND_D256_RULE_SINCE):  # torch 2.11's rule (FRONTEND_D256_RULE_SINCE)
+        supports_d256 = False
+        if version >= 91000 and major == 9:
+            limit = 256
+        elif version >= 91100 and major == 10 and (d_qk, d_v) == (192, 128):
+            limit = 192
+    elif supports_d256:
         limit = 256
     elif sm90_or_sm10x and version >= 91100 and (d_qk, d_v) == (192, 128):
         limit = 192

@@ -33,6 +33,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memlab._autocast import AutocastWatch, unwatch, watch
+from memlab._torch_version import torch_at_least
 
 __all__ = ["CUDA_AUTOCAST_OPS", "CudaAutocast"]
 
@@ -86,6 +87,21 @@ CUDA_AUTOCAST_OPS: dict[str, str] = {
     **dict.fromkeys(_PROMOTE, "promote"),
     "binary_cross_entropy": "banned",
 }
+if not torch_at_least(2, 13):
+    # torch 2.11's autocast_mode.h (its include/ATen/autocast_mode.h): rms_norm is on no list; the
+    # Dimname overloads are (AT_FORALL_FP32_SET_OPT_DTYPE, and norm.names_ScalarOpt_dim in
+    # AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE). 2.12 is taken to be 2.11's (not checked).
+    del CUDA_AUTOCAST_OPS["rms_norm"]
+    _DIMNAME_SET_OPT_DTYPE = ("prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname",
+                              "cumsum.dimname", "sum.dim_DimnameList")  # fmt: skip
+    CUDA_AUTOCAST_OPS.update(dict.fromkeys(_DIMNAME_SET_OPT_DTYPE, "fp32_set_opt_dtype"))
+    CUDA_AUTOCAST_OPS["norm.names_ScalarOpt_dim"] = "fp32_append_dtype"
+    _FP32_APPEND_DTYPE["norm.names_ScalarOpt_dim"] = "norm.names_ScalarOpt_dim_dtype"
+if torch_at_least(2, 14):
+    # torch 2.14.1 registers linalg_matrix_sqrth for AutocastCUDA (autocast_mode.cpp, on none of
+    # autocast_mode.h's lists); its kernels refuse float16 and bfloat16 ("Low precision dtypes not
+    # supported"), so its policy is taken to be fp32.
+    CUDA_AUTOCAST_OPS["linalg_matrix_sqrth"] = "fp32"
 
 _AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
 # autocast_mode.h: each policy's wrapper runs the op under ExcludeDispatchKeyGuard(AutocastFunctionality).

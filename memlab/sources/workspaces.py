@@ -9,8 +9,9 @@ follow PyTorch's ``aten/src/ATen/cuda/CublasHandlePool.cpp`` in the version that
 2.13 (the one whose ``WorkspaceMapWithMutex`` maps ``(handle, stream)`` to ``(workspace, size)``,
 with ``set/resetChosenWorkspaceSize``, as ``ATen/cuda/CUDAContextLight.h`` of the installed torch
 declares): :func:`workspace_sizes` reads ``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE``
-and ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` as that file does, and :class:`CublasWorkspaces` decides,
-op by op, which workspace an op needs and whether it exists yet.
+and ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` as that file does in the installed torch (whether cuBLASLt
+shares the cuBLAS workspace by default changed in 2.12: :data:`UNIFIED_BY_DEFAULT_SINCE`), and
+:class:`CublasWorkspaces` decides, op by op, which workspace an op needs and whether it exists yet.
 
 A tracker that models a GPU for tensors that are not on one (a CPU or ``meta`` run, or an estimate's
 fake tensors) allocates these workspaces in its allocator model; on a real GPU the real allocator
@@ -32,11 +33,13 @@ import torch
 
 from memlab._gpus import GPU
 from memlab._tensors import storages_of
+from memlab._torch_version import torch_at_least
 
 __all__ = [
     "BLAS_OPS",
     "CONVOLUTION_OPS",
     "CUBLASLT_OPS",
+    "UNIFIED_BY_DEFAULT_SINCE",
     "CublasWorkspaces",
     "WorkspaceSizes",
     "cublas_workspace_size",
@@ -162,20 +165,39 @@ def cublas_workspace_size(gpu: GPU, config: str | None) -> int:
     return total
 
 
-def unified_workspaces(value: str | None) -> bool:
+#: The first torch whose cuBLASLt shares the cuBLAS workspace when ``TORCH_CUBLASLT_UNIFIED_WORKSPACE``
+#: is unset, and whose cuBLASLt workspace defaults to the cuBLAS size: 2.12 (PyTorch PRs #175879, one
+#: ``unified_cublas_and_lt_workspaces()`` read as ``check_env(...).value_or(true)`` by the size and the
+#: workspace alike, and #173002, merged after 2.11's branch cut). torch 2.11.0's
+#: ``CublasHandlePool.cpp`` (read from its ``libtorch_cuda.so``, and measured on an H100) reads the
+#: variable twice: ``getCUDABlasLtWorkspace`` as ``value_or(false)`` (cuBLASLt keeps its own workspace
+#: per handle and stream) and ``getCUDABlasLtWorkspaceSize`` as ``value_or(true)`` (that workspace is
+#: at most the cuBLAS one), with ``parseCUDABlasLtWorkspaceSize``'s default of 1,024 KiB.
+UNIFIED_BY_DEFAULT_SINCE = (2, 12)
+
+
+def _unified_by_default() -> bool:
+    return torch_at_least(*UNIFIED_BY_DEFAULT_SINCE)
+
+
+def unified_workspaces(value: str | None, default: bool | None = None) -> bool:
     """Whether cuBLASLt shares the cuBLAS workspace, for a ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` of
-    ``value`` (``None``: unset): ``"0"`` gives it its own, anything else shares, as PyTorch's
-    ``unified_cublas_and_lt_workspaces`` reads it outside fbcode (``c10::utils::check_env``: only
-    ``"0"`` and ``"1"`` are valid; another value warns as PyTorch does and counts as unset)."""
-    if value is None or value in ("0", "1"):
-        return value != "0"
-    warnings.warn(
-        f"Ignoring invalid value for boolean flag TORCH_CUBLASLT_UNIFIED_WORKSPACE: {value}valid values "
-        "are 0 or 1.",
-        UserWarning,
-        stacklevel=2,
-    )
-    return True
+    ``value`` (``None``: unset), as PyTorch reads it outside fbcode (``c10::utils::check_env``: only
+    ``"0"`` and ``"1"`` are valid; another value warns as PyTorch does and counts as unset). Unset
+    gives ``default``, which is the installed torch's when ``None``: shared from torch 2.12 on, cuBLASLt's
+    own on 2.11 (:data:`UNIFIED_BY_DEFAULT_SINCE`)."""
+    if default is None:
+        default = _unified_by_default()
+    if value in ("0", "1"):
+        return value == "1"
+    if value is not None:
+        warnings.warn(
+            f"Ignoring invalid value for boolean flag TORCH_CUBLASLT_UNIFIED_WORKSPACE: {value}valid values "
+            "are 0 or 1.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return default
 
 
 def cublaslt_workspace_size(value: str | None, unified: bool, cublas: int, chosen_default: int) -> int:
@@ -222,9 +244,15 @@ def workspace_sizes(gpu: GPU, environ: Mapping[str, str] | None = None) -> Works
     env = os.environ if environ is None else environ
     config = env.get("CUBLAS_WORKSPACE_CONFIG")
     cublas = cublas_workspace_size(gpu, config)
-    unified = unified_workspaces(env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE"))
-    lt = cublaslt_workspace_size(env.get("CUBLASLT_WORKSPACE_SIZE"), unified, cublas, cublas)
-    return WorkspaceSizes(cublas, lt, unified)
+    flag = env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    lt_kib = env.get("CUBLASLT_WORKSPACE_SIZE")
+    if _unified_by_default():
+        unified = unified_workspaces(flag, default=True)
+        return WorkspaceSizes(cublas, cublaslt_workspace_size(lt_kib, unified, cublas, cublas), unified)
+    # torch 2.11: the size capped unless the flag is "0", the workspace shared only when it is "1"
+    capped = unified_workspaces(flag, default=True)
+    lt = cublaslt_workspace_size(lt_kib, capped, cublas, chosen_default=_KiB * _KiB)
+    return WorkspaceSizes(cublas, lt, flag == "1")
 
 
 def _packets(names: tuple[str, ...]) -> frozenset[Any]:
@@ -264,17 +292,19 @@ def _is_real_cuda(tensor: torch.Tensor) -> bool:
 class CublasWorkspaces:
     """The cuBLAS/cuBLASLt workspaces of one modelled GPU run, by (device, stream, handle).
 
-    :meth:`after_op` is called by the tracker after each op of :func:`workspace_ops` has run and its outputs
-    were counted (PyTorch allocates an op's output before its kernel takes the cuBLAS handle): for
-    an op that takes a handle on a (device, stream, handle) key without a workspace yet, it calls
-    ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the default) a
-    cuBLASLt op uses the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it
-    is the first (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
-    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` it allocates its own of ``sizes.cublaslt`` bytes.
-    Which ops run through cuBLASLt: :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose
-    bias can be fused (``Blas.cpp``: ``isInputCompliesAddmmCudaLt``, unless
-    ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when ``torch.backends.cuda.preferred_blas_library()``
-    is cuBLASLt. An op whose operands are empty returns before taking a handle and allocates none.
+    :meth:`after_op` is called by the tracker after each op of :func:`workspace_ops` has run and its
+    outputs were counted (PyTorch allocates an op's output before its kernel takes the cuBLAS
+    handle): for an op that takes a handle on a (device, stream, handle) key without a workspace
+    yet, it calls ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the
+    default from torch 2.12 on, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` on 2.11) a cuBLASLt op uses
+    the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it is the first
+    (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (or unset on 2.11) it allocates its own of
+    ``sizes.cublaslt`` bytes (none when that is 0). Which ops run through cuBLASLt:
+    :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose bias can be fused (``Blas.cpp``:
+    ``isInputCompliesAddmmCudaLt``, unless ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when
+    ``torch.backends.cuda.preferred_blas_library()`` is cuBLASLt. An op whose operands are empty
+    returns before taking a handle and allocates none.
 
     ``keys`` holds the keys with a workspace, in the order allocated (``nbytes``: the size of each,
     0 where ``CUBLAS_WORKSPACE_CONFIG=:0:0`` turned it off); :meth:`present` makes the

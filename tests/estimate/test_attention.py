@@ -12,11 +12,22 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memlab
 from memlab._gpus import GPUS
+from memlab._torch_version import torch_at_least
 from memlab.estimate import attention
 from memlab.estimate.attention import prefers_cudnn, priority_order, select_backend
 from memlab.estimate.kernels import CudaKernels
 
 BLOCK = 512  # the CUDA caching allocator's rounding
+
+
+@pytest.fixture(autouse=True)
+def a_cpu_build(monkeypatch):
+    """The choice as a CPU build of PyTorch makes it (cuDNN and CUDA versions assumed): a CUDA build run
+    without a GPU would otherwise answer with the cuDNN and CUDA it ships."""
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+
 SM80, SM86, SM89, SM90, SM100 = (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)
 
 
@@ -66,7 +77,11 @@ def choose(
         (SM90, {"mask": (2, 128, 128)}, "efficient"),  # check_attn_mask_shape: 2-D or 4-D only
         (SM90, {"dtype": torch.float32}, "efficient"),  # check_dtypes_low_precision
         (SM90, {"head": 6}, "flash"),  # check_cudnn_tensor_shapes: head dim % 8
-        (SM90, {"head": 160}, "flash"),  # head dim <= 128 with this cuDNN
+        # head dim <= 128 with this cuDNN from torch 2.13 on; <= 256 on sm9x before (torch 2.11)
+        (SM90, {"head": 160}, "flash" if torch_at_least(2, 13) else "cudnn"),
+        (SM90, {"head": 256, "grad": True}, "flash" if torch_at_least(2, 13) else "cudnn"),
+        (SM90, {"head": 264}, "efficient"),  # above 256: neither cuDNN nor flash
+        (SM100, {"head": 160}, "flash"),  # 256 is sm9x's alone before 2.13
         (SM90, {"head": 192, "value_head": 128}, "cudnn"),  # ... but 192/128 on sm90 (cuDNN >= 9.11)
         (SM80, {"head": 192, "value_head": 128}, "efficient"),  # flash needs equal head dims
         (SM90, {"dropout_p": 0.1}, "flash"),  # check_cudnn_dropout: multiples of 1/16

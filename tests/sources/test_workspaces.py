@@ -17,6 +17,7 @@ import torch
 
 import memlab
 from memlab._gpus import GPUS, resolve_gpu
+from memlab._torch_version import torch_at_least
 from memlab.sources import workspaces
 from memlab.sources.workspaces import (
     cublas_workspace_size,
@@ -88,16 +89,25 @@ def test_a_number_beyond_64_bits_is_a_value_error_naming_the_variable():
     assert cublas_workspace_size(GPUS["H100"], ":18446744073709551615:1") == 2**64 - 1024  # size_t wraps
 
 
-def test_unified_workspaces_is_the_default_and_only_0_turns_it_off():
-    assert unified_workspaces(None) is True
-    assert unified_workspaces("1") is True
-    assert unified_workspaces("0") is False
+def test_unified_workspaces_reads_0_and_1_and_unset_gives_the_releases_default():
+    assert unified_workspaces(None, default=True) is True
+    assert unified_workspaces(None, default=False) is False
+    assert unified_workspaces("1", default=False) is True
+    assert unified_workspaces("0", default=True) is False
     with pytest.warns(UserWarning) as caught:
-        assert unified_workspaces("false") is True
+        assert unified_workspaces("false", default=True) is True
+        assert unified_workspaces("false", default=False) is False
     assert str(caught[0].message) == (
         "Ignoring invalid value for boolean flag TORCH_CUBLASLT_UNIFIED_WORKSPACE: false"
         "valid values are 0 or 1."
     )
+
+
+def test_cublaslt_shares_the_cublas_workspace_by_default_from_torch_2_12_on():
+    # torch 2.11.0's getCUDABlasLtWorkspace reads the flag as value_or(false) (its libtorch_cuda.so,
+    # and an H100 run: a separate 1 MiB workspace per handle); 2.12 made it value_or(true)
+    assert workspaces.UNIFIED_BY_DEFAULT_SINCE == (2, 12)
+    assert unified_workspaces(None) is torch_at_least(2, 12)
 
 
 def test_cublaslt_workspace_size_is_kib_read_by_stoi_capped_by_the_cublas_one_when_unified():
@@ -124,10 +134,34 @@ def test_cublaslt_workspace_size_is_kib_read_by_stoi_capped_by_the_cublas_one_wh
 def test_workspace_sizes_reads_the_three_variables_from_the_environment():
     environ = {"CUBLAS_WORKSPACE_CONFIG": ":4096:2", "CUBLASLT_WORKSPACE_SIZE": "256"}
     sizes = workspaces.WorkspaceSizes
-    assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, True)
+    unified = torch_at_least(2, 12)
+    assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, unified)
     environ["TORCH_CUBLASLT_UNIFIED_WORKSPACE"] = "0"
     assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, False)
+    environ["TORCH_CUBLASLT_UNIFIED_WORKSPACE"] = "1"
+    assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, True)
+
+
+def test_from_torch_2_12_cublaslt_defaults_to_the_cublas_size_and_shares_it(monkeypatch):
+    monkeypatch.setattr(workspaces, "_unified_by_default", lambda: True)
+    sizes = workspaces.WorkspaceSizes
     assert workspace_sizes(GPUS["A100"], {}) == sizes(A100_WORKSPACE, A100_WORKSPACE, True)
+    assert workspace_sizes(GPUS["H100"], {}) == sizes(H100_WORKSPACE, H100_WORKSPACE, True)
+    no_lt = {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}
+    assert workspace_sizes(GPUS["H100"], no_lt) == sizes(H100_WORKSPACE, MiB, False)
+
+
+def test_on_torch_2_11_cublaslt_has_its_own_1_mib_capped_by_cublas_unless_the_flag_is_0(monkeypatch):
+    monkeypatch.setattr(workspaces, "_unified_by_default", lambda: False)
+    sizes = workspaces.WorkspaceSizes
+    assert workspace_sizes(GPUS["A100"], {}) == sizes(A100_WORKSPACE, MiB, False)
+    assert workspace_sizes(GPUS["H100"], {}) == sizes(H100_WORKSPACE, MiB, False)
+    # getCUDABlasLtWorkspaceSize caps it by the cuBLAS workspace unless the flag is "0"
+    small = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "4096"}
+    assert workspace_sizes(GPUS["H100"], small) == sizes(131_072, 131_072, False)
+    small["TORCH_CUBLASLT_UNIFIED_WORKSPACE"] = "0"
+    assert workspace_sizes(GPUS["H100"], small) == sizes(131_072, 4 * MiB, False)
+    assert workspace_sizes(GPUS["H100"], {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}) == sizes(0, 0, False)
 
 
 # -- where a tracker allocates them -------------------------------------------------------------------
@@ -304,7 +338,8 @@ def test_with_unified_workspaces_off_cublaslt_allocates_its_own(monkeypatch):
     del y, z
 
 
-def test_with_unified_workspaces_cublaslt_allocates_and_shares_the_cublas_workspace():
+def test_with_unified_workspaces_cublaslt_allocates_and_shares_the_cublas_workspace(monkeypatch):
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
     layer = torch.nn.Linear(16, 16)
     x = torch.randn(8, 16)
     with memlab.TensorTracker(gpu="A100", history=True) as tracker:
@@ -312,6 +347,32 @@ def test_with_unified_workspaces_cublaslt_allocates_and_shares_the_cublas_worksp
         z = x @ layer.weight
     assert tracker.by_category()["workspace"] == A100_WORKSPACE
     del y, z
+
+
+def test_a_bias_linear_on_the_default_environment_takes_the_releases_workspaces():
+    # measured on an H100 with torch 2.11.0: a Linear with bias (addmm through cuBLASLt) allocates a
+    # 1,048,576 B cuBLASLt workspace besides the 32 MiB cuBLAS one of the next plain matmul
+    layer = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    with memlab.TensorTracker(gpu="H100", history=True) as tracker:
+        y = layer(x)
+        z = x @ layer.weight
+    lt = 0 if torch_at_least(2, 12) else MiB
+    assert tracker.by_category()["workspace"] == H100_WORKSPACE + lt
+    assert [key[0] for key in tracker.workspaces.keys] == (
+        ["cublas"] if torch_at_least(2, 12) else ["cublaslt", "cublas"]
+    )
+    del y, z
+
+
+def test_a_cublaslt_workspace_of_0_bytes_allocates_nothing(monkeypatch):
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "0")
+    layer = torch.nn.Linear(16, 16)
+    with memlab.TensorTracker(gpu="H100") as tracker:
+        y = layer(torch.randn(8, 16))
+    assert tracker.memory_stats()["allocated_bytes.all.current"] == 1024  # the input and output alone
+    del y
 
 
 def test_an_addmm_whose_bias_cannot_be_fused_or_lt_disabled_runs_cublas(monkeypatch):
@@ -380,6 +441,9 @@ def test_inference_mode_takes_the_workspace_as_no_grad_does():
     # Under inference mode aten.linear reaches the tracker whole (autograd, which decomposes it into
     # t and addmm, is skipped); the tracker decomposes it and sees the addmm that takes the handle.
     # Peak: the first Linear's output (32x256 float32 = 32,768 B), the workspace, and ReLU's output.
-    expected = 32_768 + H100_WORKSPACE + 32_768
-    assert mlp_forward_peak(torch.no_grad) == (expected, 8_192 + H100_WORKSPACE, H100_WORKSPACE)
-    assert mlp_forward_peak(torch.inference_mode) == (expected, 8_192 + H100_WORKSPACE, H100_WORKSPACE)
+    # The bias addmm runs through cuBLASLt: the cuBLAS workspace it shares from torch 2.12 on, its own
+    # 1 MiB on 2.11.
+    workspace = H100_WORKSPACE if torch_at_least(2, 12) else MiB
+    expected = 32_768 + workspace + 32_768
+    assert mlp_forward_peak(torch.no_grad) == (expected, 8_192 + workspace, workspace)
+    assert mlp_forward_peak(torch.inference_mode) == (expected, 8_192 + workspace, workspace)
