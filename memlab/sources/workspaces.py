@@ -299,8 +299,9 @@ class CublasWorkspaces:
     default from torch 2.12 on, ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` on 2.11) a cuBLASLt op uses
     the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it is the first
     (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
-    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (or unset on 2.11) it allocates its own of
-    ``sizes.cublaslt`` bytes (none when that is 0). Which ops run through cuBLASLt:
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (or unset on 2.11) it takes the cuBLAS workspace of its
+    key (its handle is the cuBLAS handle) and allocates its own of ``sizes.cublaslt`` bytes (none
+    when that is 0). Which ops run through cuBLASLt:
     :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose bias can be fused (``Blas.cpp``:
     ``isInputCompliesAddmmCudaLt``, unless ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when
     ``torch.backends.cuda.preferred_blas_library()`` is cuBLASLt. An op whose operands are empty
@@ -349,23 +350,27 @@ class CublasWorkspaces:
             return
         if not self._takes_handle(name, args):
             return
+        # Every cuBLASLt op first takes its thread's cuBLAS handle (getCurrentCUDABlasLtHandle is
+        # getCurrentCUDABlasHandle, which gives the handle its cuBLAS workspace), then, when cuBLASLt
+        # does not share it, its own: on an H100 with torch 2.11 a Linear with bias as the first
+        # matmul allocated 32 MiB and 1 MiB (benchmarks/gpu_fidelity.py, mlp).
         own_lt = not self.sizes.unified and self._uses_lt(packet, name, args, kwargs)
-        pool = "cublaslt" if own_lt else "cublas"
         # The tracker's device: its storage's (a fake tensor's is meta; a DTensor's, its local shard's).
         storages = storages_of(tensors[0])
         device = storages[0].device if storages else tensors[0].device
-        key = (pool, device, _stream(tensors[0].device), _handle())
-        if key in self.keys:
-            return
-        nbytes = self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas
-        if self._present.get((pool, device), 0) > 0:
-            self._present[(pool, device)] -= 1
-        else:
-            # a workspace that runs out of memory is not kept: the next op asks again, as PyTorch's
-            # map of workspaces gets its entry only once getNewWorkspace() returned
-            allocate(device, nbytes)
-        self.keys.append(key)
-        self.nbytes.append(nbytes)
+        for pool in ("cublas", "cublaslt") if own_lt else ("cublas",):
+            key = (pool, device, _stream(tensors[0].device), _handle())
+            if key in self.keys:
+                continue
+            nbytes = self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas
+            if self._present.get((pool, device), 0) > 0:
+                self._present[(pool, device)] -= 1
+            else:
+                # a workspace that runs out of memory is not kept: the next op asks again, as
+                # PyTorch's map of workspaces gets its entry only once getNewWorkspace() returned
+                allocate(device, nbytes)
+            self.keys.append(key)
+            self.nbytes.append(nbytes)
 
     def caveats(self) -> list[str]:
         """One sentence naming the cuDNN convolution workspaces the run would have, if it had any."""

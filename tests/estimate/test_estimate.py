@@ -17,8 +17,9 @@ KEYS = ("allocated_bytes.all.peak", "active_bytes.all.peak", "reserved_bytes.all
 #: the forward's and the autograd thread's that runs backward (memlab.sources.workspaces).
 WORKSPACE = 32 * 2**20
 # What a bias Linear's addmm (through cuBLASLt) takes on an H100: the cuBLAS workspace it shares from
-# torch 2.12 on, its own 1 MiB cuBLASLt one on 2.11 (memlab.sources.workspaces.UNIFIED_BY_DEFAULT_SINCE).
-LT_WORKSPACE = WORKSPACE if torch_at_least(2, 12) else 2**20
+# torch 2.12 on; on 2.11 the cuBLAS workspace of its handle and 1 MiB cuBLASLt one of its own
+# (memlab.sources.workspaces.UNIFIED_BY_DEFAULT_SINCE; measured so on an H100).
+LT_WORKSPACE = WORKSPACE if torch_at_least(2, 12) else WORKSPACE + 2**20
 
 
 def cnn() -> torch.nn.Module:
