@@ -43,7 +43,8 @@ def test_the_bare_decorator_records_and_reports_at_exit(global_profiler, exact, 
     global_profiler.print_at_exit()
     first = make.__wrapped__.__code__.co_firstlineno + 1
     assert capsys.readouterr().out == EXACT + (
-        "## test_the_bare_decorator_records_and_reports_at_exit.<locals>.make\n"
+        "## test_the_bare_decorator_records_and_reports_at_exit.<locals>.make"
+        f"  (tests/line_profiler/test_decorators.py:{first})\n"
         "\n"
         "active_bytes reserved_bytes line  code\n"
         "         all            all\n"
@@ -99,8 +100,9 @@ def test_profile_every_prints_the_stats_of_each_group_of_calls(global_profiler, 
     assert tables[0].endswith("\n\n") and tables[1].endswith("\n\n")  # a blank line after each
     tables = [table.rstrip("\n") for table in tables]
     name = "test_profile_every_prints_the_stats_of_each_group_of_calls.<locals>.make"
-    assert tables[0].startswith(f"{name} (calls 1-2)\n")
-    assert tables[1].startswith(f"{name} (calls 3-4)\n")
+    where = f"(tests/line_profiler/test_decorators.py:{make.__wrapped__.__code__.co_firstlineno + 1})"
+    assert tables[0].startswith(f"{name} (calls 1-2)  {where}\n")
+    assert tables[1].startswith(f"{name} (calls 3-4)  {where}\n")
     assert tables[0].splitlines()[-1].split()[:2] == ["2", "2.00K"]
     assert tables[1].splitlines()[-1].split()[:2] == ["2", "4.00K"]
 
@@ -113,11 +115,12 @@ def test_profile_every_prints_the_calls_left_over_at_exit_once(global_profiler, 
     for n in (1024, 2048, 3072):
         make(n)
     name = "test_profile_every_prints_the_calls_left_over_at_exit_once.<locals>.make"
-    assert capsys.readouterr().out.count(f"## {name} (calls 1-2)\n") == 1
-    global_profiler.print_at_exit()
     first = make.__wrapped__.__code__.co_firstlineno
+    where = f"(tests/line_profiler/test_decorators.py:{first + 1})"
+    assert capsys.readouterr().out.count(f"## {name} (calls 1-2)  {where}\n") == 1
+    global_profiler.print_at_exit()
     assert capsys.readouterr().out == EXACT + (
-        f"## {name} (call 3)\n"
+        f"## {name} (call 3)  {where}\n"
         "\n"
         "hits allocated_bytes line  code\n"
         "                 all\n"

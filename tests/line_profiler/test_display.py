@@ -50,7 +50,7 @@ def test_text_leaves_lines_that_never_ran_blank(profiled):
     assert repr(profiled.display(branch, COLUMNS)) == (
         f"{EXACT}\n"
         "\n"
-        "## branch\n"
+        f"## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})\n"
         "\n"
         "allocated_bytes reserved_bytes line  code\n"
         "            all            all\n"
@@ -71,7 +71,7 @@ def test_print_stats_shows_the_columns_asked_for_hits_and_delta_included(exact):
     out = io.StringIO()
     lp.print_stats(stream=out)
     assert out.getvalue().splitlines()[2:] == [
-        "## branch",
+        f"## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})",
         "",
         "allocated_bytes delta line  code",
         "            all",
@@ -91,7 +91,7 @@ def test_display_of_hits_alone_shows_hits_alone(exact):
         branch(True)
     lp.add_columns(["delta", "hits"])  # added after: shown after, each once
     assert repr(lp.display()).splitlines()[2:] == [
-        "## branch",
+        f"## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})",
         "",
         "hits delta line  code",  # one-part columns: one header line, no blank ones
         f"   1 0.00B {line(branch, 0):>4}  def branch(flag):",
@@ -105,7 +105,8 @@ def test_display_of_hits_alone_shows_hits_alone(exact):
 
 def test_text_reports_a_registered_function_that_never_ran(profiled):
     assert repr(profiled.display(never_called)) == (
-        f"{EXACT}\n\n## never_called\n\nregistered, but never called while profiling\n"
+        f"{EXACT}\n\n## never_called  (tests/line_profiler/test_display.py:{line(never_called, 0)})\n\n"
+        "registered, but never called while profiling\n"
     )
 
 
@@ -127,13 +128,19 @@ def test_text_shows_hits_delta_and_keys_with_fewer_parts(profiled):
 
 def test_display_of_all_functions_joins_them_in_registration_order(profiled):
     text = repr(profiled.display(columns=COLUMNS))
-    assert text.startswith(f"{EXACT}\n\n## branch\n")
-    assert text.endswith("\n\n\n## never_called\n\nregistered, but never called while profiling\n")
+    assert text.startswith(f"{EXACT}\n\n## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})\n")
+    assert text.endswith(
+        f"\n\n\n## never_called  (tests/line_profiler/test_display.py:{line(never_called, 0)})\n\n"
+        "registered, but never called while profiling\n"
+    )
 
 
 def test_html_draws_a_bar_per_column_scaled_to_its_largest_value(profiled):
     html = profiled.display(branch, COLUMNS)._repr_html_()
-    assert html.startswith(f'<p>{EXACT}</p>\n<h3><span style="font-family: monospace">branch</span></h3>')
+    assert html.startswith(
+        f'<p>{EXACT}</p>\n<h3><span style="font-family: monospace">branch  '
+        f"(tests/line_profiler/test_display.py:{line(branch, 0)})</span></h3>"
+    )
     assert html.count("linear-gradient(90deg, #4878d0 100.0%, transparent 100.0%)") == 2
     assert html.count("linear-gradient(90deg, #ee854a 100.0%, transparent 100.0%)") == 2
     assert "block = torch.empty(2048, dtype=U8)" in html
@@ -173,8 +180,9 @@ def test_print_stats_writes_to_sys_stdout_as_it_is_when_called(profiled):
 def test_print_stats_writes_to_a_given_stream(profiled):
     stream = io.StringIO()
     profiled.print_stats(never_called, stream=stream)
-    assert (
-        stream.getvalue() == f"{EXACT}\n\n## never_called\n\nregistered, but never called while profiling\n"
+    assert stream.getvalue() == (
+        f"{EXACT}\n\n## never_called  (tests/line_profiler/test_display.py:{line(never_called, 0)})\n\n"
+        "registered, but never called while profiling\n"
     )
 
 
