@@ -75,5 +75,6 @@ def test_memlab_run_says_so_after_the_table(tmp_path):
     done = run(tmp_path, "fork", "-c", "active_bytes.all.peak", "-D")
     assert done.returncode == 0, done.stderr
     assert done.stdout == (  # load.py is outside the working directory: named as run, absolute
-        f"{256 * 15}\n## make  ({tmp_path / 'load.py'}:9)\n\nregistered, but never called while profiling\n\n{LINE}"
+        f"{256 * 15}\n## make  ({tmp_path / 'load.py'}:9)\n\n"
+        f"registered, but never called while profiling\n\n{LINE}"
     )
