@@ -216,6 +216,7 @@ def profile_program(
             [program.code],
             program.globals,
             own_modules=("__main__", program.module_name or "__main__"),
+            program=program.name,
         )
     except ValueError as error:
         raise CommandError(str(error)) from None
@@ -246,6 +247,13 @@ def profile_program(
             by_module,
         )
 
+    def before_main() -> None:  # every definition above the main guard has run: say what is missing
+        for message in watch.undefined_now(program.may_bind):
+            sys.stdout.flush()  # the program's output so far comes first
+            print(
+                f"memlab run: error: {message}; the program runs on without it", file=sys.stderr, flush=True
+            )
+
     stack = contextlib.ExitStack()
 
     def report_before_os_exit(code: int) -> None:
@@ -263,7 +271,7 @@ def profile_program(
             if functions:
                 stack.enter_context(profiler)
             with os_exit_reported(report_before_os_exit), signals_raised():
-                status = program.run()
+                status = program.run(before_main)
     except BaseException:
         shown_functions()
         raise
