@@ -108,8 +108,8 @@ def test_profile_decorator_table(outputs: dict[str, dict[str, str]]) -> None:
     tables = rows(text)
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert [re.sub(r"\(.*:", "(CELL:", line) for line in headings] == [
-        "## outer  (CELL:7)",
         "## inner  (CELL:2)",
+        "## outer  (CELL:7)",
     ]
     assert [row[:3] for row in tables["outer"]] == [
         ["40.00K", "2.00M", "7"],
