@@ -225,6 +225,7 @@ def profile_program(
 
     def shown_functions() -> list[Any]:
         profiler.target_gpu = previous_target
+        watch.look_up()  # a name bound late (by a function's `global`): found, not called while profiled
         shown = watch.functions() + [f for f in profiler.at_exit if f not in decorated]
         for function in shown:
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
