@@ -213,7 +213,7 @@ def profile_program(
         watch = FunctionWatch(
             functions,
             profiler,
-            [program.code],
+            program.codes,
             program.globals,
             own_modules=("__main__", program.module_name or "__main__"),
             program=program.name,
