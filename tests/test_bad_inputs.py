@@ -1417,3 +1417,26 @@ def test_run_with_a_method_the_class_lacks_names_the_methods_it_has(
         f"{message}Net.forward, Net, Net.reset; the program runs on without it",
         f"{message}Net.forward, Net, Net.reset",
     ]
+
+
+def test_run_with_a_typo_prints_the_programs_buffered_output_before_the_final_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = "import torch\n\ndef step():\n    return torch.ones(4)\n\nif __name__ == '__main__':\n"
+    (tmp_path / "quiet.py").write_text(script + "    print('training')\n    step()\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(  # stdout is a pipe: the program's print stays in its buffer until flushed
+        [sys.executable, "-m", "memlab", "run", "-f", "stpe", "quiet.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    message = "memlab run: error: -f stpe: quiet.py defines no function named stpe; it defines step"
+    assert (done.returncode, done.stdout) == (
+        2,
+        f"{message}; the program runs on without it\ntraining\n{message}\n",
+    )

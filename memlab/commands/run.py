@@ -317,6 +317,7 @@ def _report(
                 except OSError as error:
                     unwritten.append(f"-o {merged_output}: {error}")
     status = _report_unwritten(unwritten, status)
+    sys.stdout.flush()  # the program's own output comes before a -f error on stderr
     try:
         watch.check()
     except ValueError as error:
