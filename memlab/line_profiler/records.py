@@ -167,15 +167,22 @@ def where(filename: str, line: int) -> str:
     return f"{filename}:{line}" if line else filename
 
 
-def _is_node_of(node: ast.AST, code: CodeType, first: int) -> bool:
-    """Whether ``node`` is the ``def`` of ``code``, whose first line (decorators included) is
+_Def = ast.FunctionDef | ast.AsyncFunctionDef
+#: (line offset, ``def`` node) of a function: the node's line numbers plus the offset are the file's.
+_Found = tuple[int, _Def] | None
+
+
+def _def_of(nodes: Iterable[ast.AST], code: CodeType, first: int) -> _Def | None:
+    """The ``def`` of ``code`` among ``nodes``: its name, and its first line (decorators included)
     ``first`` in the parsed text's numbering."""
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != code.co_name:
-        return False
-    return min([node.lineno, *(d.lineno for d in node.decorator_list)]) == first
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name:
+            if min([node.lineno, *(d.lineno for d in node.decorator_list)]) == first:
+                return node
+    return None
 
 
-def _function_node(code: CodeType) -> tuple[int, ast.FunctionDef | ast.AsyncFunctionDef] | None:
+def _function_node(code: CodeType) -> _Found:
     """(line offset, ``def`` node) of ``code`` parsed from its source, the node's line numbers plus
     the offset being the file's; ``None`` for a lambda or where the source cannot be parsed.
 
@@ -190,35 +197,32 @@ def _function_node(code: CodeType) -> tuple[int, ast.FunctionDef | ast.AsyncFunc
         tree = ast.parse("".join(lines))
     except (SyntaxError, ValueError):
         tree = None
-    if tree is not None:
-        for node in ast.walk(tree):
-            if _is_node_of(node, code, first):
-                return 0, node  # type: ignore[return-value]
+    node = None if tree is None else _def_of(ast.walk(tree), code, first)
+    if node is not None:
+        return 0, node
     try:
         block = ast.parse(textwrap.dedent("".join(inspect.getblock(lines[first - 1 :]))))
     except (SyntaxError, ValueError, IndexError):
         return None
-    for node in block.body:
-        if _is_node_of(node, code, 1):
-            return first - 1, node  # type: ignore[return-value]
-    return None
+    node = _def_of(block.body, code, 1)
+    return None if node is None else (first - 1, node)
 
 
-def _def_line(code: CodeType, found: tuple[int, ast.AST] | None) -> int:
+def _def_line(code: CodeType, found: _Found) -> int:
     """The line of the ``def`` statement of ``code`` (``co_firstlineno`` is the first decorator)."""
     if found is None:
         return code.co_firstlineno
     offset, node = found
-    return offset + node.lineno  # type: ignore[attr-defined]
+    return offset + node.lineno
 
 
-def _docstring_lines(found: tuple[int, ast.AST] | None) -> set[int]:
+def _docstring_lines(found: _Found) -> set[int]:
     """The lines that hold only the function's docstring (never executed, so never a row): the
     docstring's span less the ``def`` line and a line a following statement shares."""
     if found is None:
         return set()
     offset, node = found
-    body = node.body  # type: ignore[attr-defined]
+    body = node.body
     doc = body[0]
     if not (
         isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
@@ -227,7 +231,7 @@ def _docstring_lines(found: tuple[int, ast.AST] | None) -> set[int]:
     end = doc.end_lineno or doc.lineno
     if len(body) > 1 and body[1].lineno == end:
         end -= 1
-    return {offset + n for n in range(doc.lineno, end + 1) if n != node.lineno}  # type: ignore[attr-defined]
+    return {offset + n for n in range(doc.lineno, end + 1) if n != node.lineno}
 
 
 @dataclass

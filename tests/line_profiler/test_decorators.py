@@ -25,6 +25,7 @@ def run_script(tmp_path, source, **env):
     script.write_text(textwrap.dedent(source))
     result = subprocess.run(
         [sys.executable, str(script)],
+        cwd=tmp_path,  # the tables name the script as script.py
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -151,9 +152,9 @@ def test_profile_every_leftovers_are_printed_when_the_interpreter_exits(tmp_path
         """,
     )
     assert [line for line in out.splitlines() if line.startswith(("## ", "end"))] == [
-        "## make (calls 1-2)",
+        "## make (calls 1-2)  (script.py:5)",
         "end of script",
-        "## make (call 3)",
+        "## make (call 3)  (script.py:5)",
     ]
 
 
@@ -251,13 +252,13 @@ def test_the_report_is_printed_at_exit_once_a_profiled_function_ran(tmp_path):
     assert out == (
         "modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors "
         "(memlab.TensorTracker); no tensors existed before profiling\n\n"
-        "## inner\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
+        "## inner  (script.py:6)\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
         "        peak           peak\n"
         "                               5  @memlab.profile\n"
         "      80.00K          2.00M    6  def inner():\n"
         "     120.00K          2.00M    7      torch.nn.Linear(100, 100)\n"
         "\n\n"
-        "## outer\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
+        "## outer  (script.py:10)\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
         "        peak           peak\n"
         "                               9  @memlab.profile\n"
         "       0.00B          0.00B   10  def outer():\n"
