@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import difflib
 import importlib
 import inspect
 import sys
@@ -120,6 +121,8 @@ class FunctionWatch:
     again at each :meth:`look_up` until found, or when their first name is rebound. Raises
     ``ValueError`` for a name that is not ``name``, ``Class.method`` or ``module:qualname`` and for
     something without Python code found now; later ones wait in :attr:`errors` for :meth:`check`.
+    ``program`` names the code as the user does (``train.py``): a name it never defines is then
+    said with the functions it does define (:meth:`undefined`).
     """
 
     def __init__(
@@ -132,18 +135,19 @@ class FunctionWatch:
         own_modules: Collection[str] = (),
         bound: Collection[str] = (),
         import_modules: bool = False,
+        program: str | None = None,
     ) -> None:
         try:
             self.names = [FunctionName.parse(text) for text in texts]
         except ValueError as error:
             raise ValueError(f"-f: {error}") from None
-        self.profiler, self.namespace = profiler, namespace
+        self.profiler, self.namespace, self.program = profiler, namespace, program
         self.own_modules, self.import_modules = own_modules, import_modules
         self.found: dict[FunctionName, list[Any]] = {name: [] for name in self.names}
         #: One-line messages for things found that cannot be profiled, in the order found.
         self.errors: list[str] = []
         self._waiting: list[FunctionName] = []
-        codes = list(codes)
+        self.codes = codes = list(codes)
         for name in self.names:
             defined = (
                 [c for code in codes for c in codes_named(code, name.qualname)] if self._own(name) else []
@@ -233,12 +237,53 @@ class FunctionWatch:
         """Everything found, in the order named."""
         return [function for found in self.found.values() for function in found]
 
+    def defined(self) -> list[str]:
+        """The functions the watched code defines, named as ``-f`` takes them (``Class.method``;
+        a nested function by its own name), in the order of the code, each once."""
+        names = (
+            c.co_name if "<locals>" in getattr(c, "co_qualname", "") else getattr(c, "co_qualname", c.co_name)
+            for code in self.codes
+            for c in _walk(code)
+            if not c.co_name.startswith("<")
+        )
+        return list(dict.fromkeys(names))
+
+    def undefined(self, name: FunctionName) -> str:
+        """The message for ``name``, never defined by the code (of ``program``): the name, then the
+        functions the code does define, the closest to it first."""
+        program = self.program or "the code"
+        defined = self.defined()
+        if not defined:
+            return (
+                f"-f {name.text}: {program} defines no function named {name.qualname}, nor any other function"
+            )
+        close = difflib.get_close_matches(name.qualname, defined, n=len(defined), cutoff=0.6)
+        ordered = [*close, *(d for d in defined if d not in close)]
+        return (
+            f"-f {name.text}: {program} defines no function named {name.qualname}; "
+            f"it defines {', '.join(ordered)}"
+        )
+
+    def undefined_now(self, may_bind: Collection[str] | None) -> list[str]:
+        """:meth:`undefined` messages for the code's own names still missing after a new
+        :meth:`look_up`, but those whose first name is in ``may_bind`` (code still to run may bind
+        it; ``None``: it may bind any name, so no message)."""
+        self.look_up()
+        if may_bind is None:
+            return []
+        return [
+            self.undefined(name) for name in self.missing() if self._own(name) and name.root not in may_bind
+        ]
+
     def check(self) -> list[Any]:
         """:meth:`functions`, or ``ValueError`` for the first thing found that cannot be profiled,
-        then for the first name never found."""
+        then for the first name never found (one of the code's own, with ``program`` set: said by
+        :meth:`undefined`)."""
         if self.errors:
             raise ValueError(self.errors[0])
         missing = self.missing()
+        if missing and self.program is not None and self._own(missing[0]):
+            raise ValueError(self.undefined(missing[0]))
         if missing:
             raise ValueError(
                 f"-f {missing[0].text}: no function of that name was defined or imported by the code "

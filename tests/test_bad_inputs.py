@@ -1321,3 +1321,122 @@ def test_viz_bad_options_are_one_line_errors_and_write_nothing(
     assert status == 2
     assert capsys.readouterr().err == f"memlab viz: error: {message.format(run=run)}\n"
     assert not (tmp_path / "page.html").exists()
+
+
+# -- issue 26: lines ----
+TYPO_SCRIPT = """\
+import time
+import torch
+
+
+def load_data():
+    return torch.ones(4)
+
+
+def train_step(x):
+    return x * 2
+
+
+def evaluate():
+    return 1
+
+
+print("definitions done", flush=True)
+
+if __name__ == "__main__":
+    for step in range(3):
+        time.sleep(0.2)
+        train_step(load_data())
+        print(f"step {step}", flush=True)
+"""
+
+
+def test_run_with_a_name_the_script_never_defines_says_so_before_its_main_work_and_at_the_end(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(TYPO_SCRIPT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "memlab", "run", "-f", "train_setp", "train.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one stream: the order in which the lines were written
+        text=True,
+        timeout=300,
+    )
+    message = (
+        "memlab run: error: -f train_setp: train.py defines no function named train_setp; "
+        "it defines train_step, load_data, evaluate"  # the close match first, then in the script's order
+    )
+    assert (done.returncode, done.stdout.splitlines()) == (
+        2,
+        [
+            "definitions done",
+            f"{message}; the program runs on without it",
+            "step 0",
+            "step 1",
+            "step 2",
+            message,
+        ],
+    )
+
+
+def test_run_with_a_name_a_script_without_functions_never_defines_says_it_defines_none(
+    tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(decorators, "_global", None)
+    script = tmp_path / "flat.py"
+    script.write_text("x = 1\n", encoding="utf-8")
+    assert main(["run", "-f", "step", str(script)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == (
+        "",
+        f"memlab run: error: -f step: {script} defines no function named step, nor any other function\n",
+    )
+
+
+def test_run_with_a_method_the_class_lacks_names_the_methods_it_has(
+    tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(decorators, "_global", None)
+    script = tmp_path / "net.py"
+    script.write_text(
+        "class Net:\n    def forward(self):\n        return 1\n\n    def reset(self):\n        return 0\n\n"
+        "if __name__ == '__main__':\n    Net().forward()\n",
+        encoding="utf-8",
+    )
+    assert main(["run", "-f", "Net.froward", str(script)]) == 2
+    message = (
+        f"memlab run: error: -f Net.froward: {script} defines no function named Net.froward; it defines "
+    )
+    assert capsys.readouterr().err.splitlines() == [  # a class is a name -f takes too (all its methods)
+        f"{message}Net.forward, Net, Net.reset; the program runs on without it",
+        f"{message}Net.forward, Net, Net.reset",
+    ]
+
+
+def test_run_with_a_typo_prints_the_programs_buffered_output_before_the_final_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = "import torch\n\ndef step():\n    return torch.ones(4)\n\nif __name__ == '__main__':\n"
+    (tmp_path / "quiet.py").write_text(script + "    print('training')\n    step()\n", encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(  # stdout is a pipe: the program's print stays in its buffer until flushed
+        [sys.executable, "-m", "memlab", "run", "-f", "stpe", "quiet.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
+    message = "memlab run: error: -f stpe: quiet.py defines no function named stpe; it defines step"
+    assert (done.returncode, done.stdout) == (
+        2,
+        f"{message}; the program runs on without it\ntraining\n{message}\n",
+    )

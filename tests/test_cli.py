@@ -88,12 +88,15 @@ def script(tmp_path: Path) -> Path:
 
 
 def tables(text: str) -> dict[str, list[tuple[str, ...]]]:
-    """``{function: [(*values, line, code), ...]}`` from printed tables (two value columns)."""
+    """``{function: [(*values, line, code), ...]}`` from printed tables (two value columns); each
+    heading ``## function  (file:line)`` names where the function is defined."""
     out: dict[str, list[tuple[str, ...]]] = {}
     rows: list[tuple[str, ...]] = []
     for line in text.splitlines():
         if line.startswith("## "):
-            rows = out.setdefault(line[3:], [])
+            name, _, where = line[3:].partition("  (")
+            assert re.fullmatch(r".+\.py:\d+\)", where), line
+            rows = out.setdefault(name, [])
             continue
         parts = line.split(None, 3)
         if len(parts) == 4 and parts[2].isdigit():
@@ -182,8 +185,8 @@ def test_run_on_an_explicit_device_measures_the_same_on_cpu(script: Path, capsys
 def test_run_columns(script: Path, capsys: Any) -> None:
     assert memlab("run", "-D", "-c", "allocated_bytes.all.current", "-c", "hits", "-f", "work", script) == 0
     out = capsys.readouterr().out
-    assert "## decorated" in out
-    work = out.split("## work\n")[1].split("\n\n\n")[0]
+    assert f"## decorated  ({script}:15)\n" in out
+    work = out.split(f"## work  ({script}:9)\n")[1].split("\n\n\n")[0]
     assert work.splitlines()[1].split() == ["allocated_bytes", "hits", "line", "code"]
     assert [line.split()[:2] for line in work.splitlines()[4:]] == [
         ["0.00B", "1"],
@@ -202,7 +205,7 @@ def test_run_output_files(script: Path, tmp_path: Path, capsys: Any, monkeypatch
         printed = capsys.readouterr().out
         frames.append(out)
     text = frames[2].read_text(encoding="utf-8")
-    assert printed.endswith(text) and text.startswith(f"{SOURCE_LINE}\n\n## work\n")
+    assert printed.endswith(text) and text.startswith(f"{SOURCE_LINE}\n\n## work  ({script}:9)\n")
     frame = read_json(frames[0])
     pd.testing.assert_frame_equal(frame, read_csv(frames[1]))
     assert json.loads(frames[0].read_text(encoding="utf-8"))["columns"] == [
@@ -304,7 +307,7 @@ TIME = re.compile(r"\d+ns|\d+\.\d\d(us|ms|s)")
 
 def test_run_shows_a_time_column(script: Path, capsys: Any) -> None:
     assert memlab("run", "-D", "-c", "time", "-c", "active_bytes.all.peak", "-f", "work", script) == 0
-    work = capsys.readouterr().out.split("## work\n\n")[1].split("\n\n")[0].splitlines()
+    work = capsys.readouterr().out.split(f"## work  ({script}:9)\n\n")[1].split("\n\n")[0].splitlines()
     assert work[0].split() == ["time", "active_bytes", "line", "code"]
     rows = [tuple(line.split(None, 3)) for line in work[3:]]
     assert [row[1:] for row in rows] == [row[:1] + row[2:] for row in WORK_ROWS]
@@ -313,7 +316,10 @@ def test_run_shows_a_time_column(script: Path, capsys: Any) -> None:
 
 def test_demo_shows_a_time_column(capsys: Any) -> None:
     assert memlab("demo", "--epochs", 1, "-D", "-c", "time") == 0
-    train_step = capsys.readouterr().out.split("## train_step\n\n")[1].split("\n\n")[0].splitlines()
+    out = capsys.readouterr().out
+    train_step = (
+        out.split("## train_step  (memlab/examples/train.py:38)\n\n")[1].split("\n\n")[0].splitlines()
+    )
     assert train_step[0].split() == ["time", "line", "code"]  # one header line: "time" has one part
     assert train_step[1].split(None, 1) == ["37", "@memlab.profile"]  # no blank header lines
     rows = [line.split(None, 2) for line in train_step[2:]]
@@ -427,7 +433,9 @@ def test_run_propagates_the_scripts_own_usage_error(capsys: Any) -> None:
     assert memlab("run", "-f", "train_step", EXAMPLE, "--epochs", 0) == 2
     captured = capsys.readouterr()
     assert "--epochs must be at least 1, got 0" in captured.err
-    assert "## train_step\n\nregistered, but never called while profiling" in captured.out
+    assert "## train_step  (memlab/examples/train.py:38)\n\nregistered, but never called while profiling" in (
+        captured.out
+    )
 
 
 def test_demo_profiles_the_example(capsys: Any) -> None:
@@ -493,7 +501,9 @@ def test_extra_columns_for_a_decorated_function_that_never_ran(tmp_path: Path, c
     script = tmp_path / "never.py"
     script.write_text("import memlab\n\n@memlab.profile\ndef never():\n    pass\n", encoding="utf-8")
     assert memlab("run", "-c", "allocated_bytes.all.current", script) == 0
-    assert capsys.readouterr().out == "## never\n\nregistered, but never called while profiling\n"
+    assert (
+        capsys.readouterr().out == f"## never  ({script}:4)\n\nregistered, but never called while profiling\n"
+    )
 
 
 SNAPSHOT_SCRIPT = """\
@@ -629,7 +639,7 @@ def test_a_script_read_from_a_pipe_runs_and_shows_its_lines(capsys: Any) -> None
     finally:
         os.close(read)
     assert capsys.readouterr().out.splitlines()[2:] == [
-        "## f",
+        f"## f  (/dev/fd/{read}:3)",
         "",
         "active_bytes reserved_bytes line  code",
         "         all            all",
@@ -642,7 +652,7 @@ def test_a_script_read_from_a_pipe_runs_and_shows_its_lines(capsys: Any) -> None
 
 def test_run_with_one_part_columns_prints_one_header_line(script: Path, capsys: Any) -> None:
     assert memlab("run", "-D", "-c", "hits", "-c", "delta", "-f", "work", script) == 0
-    assert capsys.readouterr().out.split("## work\n\n")[1].split("\n\n")[0] == (
+    assert capsys.readouterr().out.split(f"## work  ({script}:9)\n\n")[1].split("\n\n")[0] == (
         "hits delta line  code\n"  # each column name is one part: one header line, no blank ones
         "   1 0.00B    9  def work(n):\n"
         "   1 4.00M   10      a = torch.empty(n, 1024)\n"  # a 4 MiB tensor each, as WORK_ROWS

@@ -4,6 +4,7 @@ print on CPU."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,12 +60,15 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str
 
 
 def rows(text: str) -> dict[str, list[list[str]]]:
-    """``{function: [[*values, line, code words...], ...]}`` of the printed line tables."""
+    """``{function: [[*values, line, code words...], ...]}`` of the printed line tables; each
+    heading ``## function  (cell file:line)`` names the kernel's file of the cell and the def line."""
     tables: dict[str, list[list[str]]] = {}
     current: list[list[str]] = []
     for line in text.splitlines():
         if line.startswith("## "):
-            current = tables.setdefault(line[3:], [])
+            name, _, where = line[3:].partition("  (")
+            assert re.fullmatch(r".+:\d+\)", where), line
+            current = tables.setdefault(name, [])
         elif len(line.split()) > 3 and any(part.isdigit() for part in line.split()[:3]):
             current.append(line.split())
     return tables
@@ -102,6 +106,11 @@ def test_profile_decorator_table(outputs: dict[str, dict[str, str]]) -> None:
         "(memlab.TensorTracker); 2 tensor storages (40.00K) existed before profiling"
     )
     tables = rows(text)
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert [re.sub(r"\(.*:", "(CELL:", line) for line in headings] == [
+        "## inner  (CELL:2)",
+        "## outer  (CELL:7)",
+    ]
     assert [row[:3] for row in tables["outer"]] == [
         ["40.00K", "2.00M", "7"],
         ["80.00K", "2.00M", "8"],

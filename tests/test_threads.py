@@ -43,7 +43,9 @@ def test_memlab_run_counts_a_tensor_made_in_a_thread_the_script_starts(tmp_path:
     script.write_text(SCRIPT, encoding="utf-8")
     assert main(["run", "-f", "step", str(script)]) == 0
     out = capsys.readouterr().out
-    assert out.split("## step\n\n", 1)[1].splitlines()[3:] == [  # active_bytes peak, reserved_bytes peak
+    assert out.split(f"## step  ({script}:7)\n\n", 1)[1].splitlines()[
+        3:
+    ] == [  # active_bytes peak, reserved_bytes peak
         "       0.00B          0.00B    7  def step():",
         "       0.00B          0.00B    8      held = []",
         "       0.00B          0.00B    9      worker = threading.Thread(target=load, args=(held,))",

@@ -2,7 +2,9 @@
 
 The code is compiled before it runs, so the functions it defines can be registered with a
 profiler by code object before they exist; it runs in a fresh ``__main__`` module with its own
-``sys.argv``, and its exit status is computed the way the interpreter computes it.
+``sys.argv``, and its exit status is computed the way the interpreter computes it. A program with an
+``if __name__ == "__main__":`` guard runs in two parts (:mod:`memlab.commands._main_guard`), so
+that a caller can act once its definitions have run and before its main work.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import os
 import sys
 import traceback
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from memlab.commands._command import CommandError
+from memlab.commands._main_guard import split_at_main_guard
 from memlab.commands._signals import Terminated
 
 __all__ = ["MainProgram"]
@@ -28,15 +31,26 @@ class MainProgram:
     Raises :class:`CommandError` when the script does not exist, is a directory or cannot be read,
     or the module cannot be found. A script is any file python would run: a regular file,
     ``/dev/null`` (an empty script), a pipe.
+
+    ``codes`` are the code objects run one after the other: the whole program, or the part above
+    its main guard and the part from the guard on; ``may_bind`` the names the part from the guard on
+    may still bind in the module (``None``: any name, or no guard); ``name`` the program as the
+    user named it (``train.py``, ``module pkg.train``).
     """
 
     def __init__(self, target: str, args: Sequence[str], as_module: bool = False) -> None:
         self.module_name = target if as_module else None
+        self.name = f"module {target}" if as_module else target
+        source: str | bytes | None
         self.module = types.ModuleType("__main__")
         self.globals = self.module.__dict__
         self.globals["__builtins__"] = builtins
         if as_module:
             self.code, path, spec = _module_code(target)
+            try:
+                source = spec.loader.get_source(spec.name)  # type: ignore[union-attr]
+            except (ImportError, OSError):
+                source = None
             self.globals.update(__file__=path, __spec__=spec, __loader__=spec.loader, __package__=spec.parent)
             self.path_entry = os.getcwd()
         else:
@@ -60,19 +74,30 @@ class MainProgram:
             self.globals.update(__file__=path, __spec__=None, __loader__=None, __package__=None)
             self.path_entry = os.path.dirname(path)
         self.argv = [path if as_module else target, *args]  # as python sets sys.argv[0]
+        try:
+            split = None if source is None else split_at_main_guard(source, self.code.co_filename)
+        except (SyntaxError, ValueError):  # a module's source that is not what its code was built from
+            split = None
+        self.codes = [self.code] if split is None else [split.top, split.main]
+        self.may_bind = None if split is None else split.may_bind
 
-    def run(self) -> int:
+    def run(self, before_main: Callable[[], None] | None = None) -> int:
         """Run the program and return its exit status: 0, the ``sys.exit`` code, 1 after an
         uncaught exception (its traceback printed to stderr), 130 after ``KeyboardInterrupt``,
         ``128 + signum`` after :class:`~memlab.commands._signals.Terminated` (SIGTERM: 143,
-        SIGHUP: 129; one line on stderr says where the program was)."""
+        SIGHUP: 129; one line on stderr says where the program was). ``before_main`` is called
+        when the program reaches its main guard, every definition above it run (never without
+        a guard)."""
         module = self.module
         saved = sys.argv, sys.path[:], sys.modules.get("__main__")
         sys.argv = list(self.argv)
         sys.path.insert(0, self.path_entry)
         sys.modules["__main__"] = module
         try:
-            exec(self.code, module.__dict__)
+            for part, code in enumerate(self.codes):
+                if part and before_main is not None:
+                    before_main()
+                exec(code, module.__dict__)
         except SystemExit as exit:
             return _exit_status(exit.code)
         except Terminated as terminated:  # SIGTERM or SIGHUP (memlab.commands._signals)

@@ -213,9 +213,10 @@ def profile_program(
         watch = FunctionWatch(
             functions,
             profiler,
-            [program.code],
+            program.codes,
             program.globals,
             own_modules=("__main__", program.module_name or "__main__"),
+            program=program.name,
         )
     except ValueError as error:
         raise CommandError(str(error)) from None
@@ -224,6 +225,7 @@ def profile_program(
 
     def shown_functions() -> list[Any]:
         profiler.target_gpu = previous_target
+        watch.look_up()  # a name bound late (by a function's `global`): found, not called while profiled
         shown = watch.functions() + [f for f in profiler.at_exit if f not in decorated]
         for function in shown:
             profiler.at_exit.pop(function, None)  # printed here, not again at exit
@@ -246,6 +248,13 @@ def profile_program(
             by_module,
         )
 
+    def before_main() -> None:  # every definition above the main guard has run: say what is missing
+        for message in watch.undefined_now(program.may_bind):
+            sys.stdout.flush()  # the program's output so far comes first
+            print(
+                f"memlab run: error: {message}; the program runs on without it", file=sys.stderr, flush=True
+            )
+
     stack = contextlib.ExitStack()
 
     def report_before_os_exit(code: int) -> None:
@@ -263,7 +272,7 @@ def profile_program(
             if functions:
                 stack.enter_context(profiler)
             with os_exit_reported(report_before_os_exit), signals_raised():
-                status = program.run()
+                status = program.run(before_main)
     except BaseException:
         shown_functions()
         raise
@@ -308,6 +317,7 @@ def _report(
                 except OSError as error:
                     unwritten.append(f"-o {merged_output}: {error}")
     status = _report_unwritten(unwritten, status)
+    sys.stdout.flush()  # the program's own output comes before a -f error on stderr
     try:
         watch.check()
     except ValueError as error:

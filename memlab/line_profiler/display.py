@@ -10,7 +10,7 @@ import html
 from collections.abc import Sequence
 
 from memlab._units import format_size
-from memlab.line_profiler.records import DELTA, TIME, FunctionTable
+from memlab.line_profiler.records import DELTA, TIME, FunctionTable, where
 
 __all__ = ["LineStats"]
 
@@ -61,10 +61,19 @@ def _header_rows(columns: Sequence[str]) -> list[tuple[str, ...]]:
     return [cells for level, cells in enumerate(levels) if level == 0 or any(cells)]
 
 
+def title(table: FunctionTable) -> str:
+    """The heading of a function's table: its name, then where it is defined (:func:`where`),
+    e.g. ``outer  (example.py:8)``; once only when the name already says it (two registered
+    functions with one name)."""
+    place = f"({where(table.filename, table.first_line)})"
+    return table.name if place in table.name else f"{table.name}  {place}"
+
+
 def render_text(table: FunctionTable, columns: Sequence[str]) -> str:
-    """One function as text: ``## name``, three header rows, then one row per source line."""
+    """One function as text: ``## name  (file:line)``, three header rows, then one row per source
+    line (docstring lines excepted)."""
     if not table.calls:
-        return f"## {table.name}\n\n{_NEVER_RAN}\n"
+        return f"## {title(table)}\n\n{_NEVER_RAN}\n"
     cells = [[_format(c, None if v is None else v[c]) for c in columns] for _, _, v in table.lines]
     headers = _header_rows(columns)
     widths = [
@@ -80,7 +89,7 @@ def render_text(table: FunctionTable, columns: Sequence[str]) -> str:
     for (number, code, _), row in zip(table.lines, cells, strict=True):
         numbers = [cell.rjust(w) for cell, w in zip(row, widths, strict=True)]
         out.append(" ".join([*numbers, str(number).rjust(line_width)]) + "  " + code)
-    return f"## {table.name}\n\n" + "\n".join(line.rstrip() for line in out) + "\n"
+    return f"## {title(table)}\n\n" + "\n".join(line.rstrip() for line in out) + "\n"
 
 
 def render_html(tables: Sequence[FunctionTable], columns: Sequence[str]) -> str:
@@ -94,9 +103,9 @@ def render_html(tables: Sequence[FunctionTable], columns: Sequence[str]) -> str:
                     scale[c] = max(scale[c], abs(values[c]))
     parts = []
     for table in tables:
-        title = f'<h3><span style="font-family: monospace">{html.escape(table.name)}</span></h3>'
+        heading = f'<h3><span style="font-family: monospace">{html.escape(title(table))}</span></h3>'
         if not table.calls:
-            parts.append(f"{title}<p>{_NEVER_RAN}</p>")
+            parts.append(f"{heading}<p>{_NEVER_RAN}</p>")
             continue
         head = []
         for level, head_cells in enumerate(_header_rows(columns)):
@@ -118,7 +127,7 @@ def render_html(tables: Sequence[FunctionTable], columns: Sequence[str]) -> str:
             code_cell = f'<td style="{_CODE_STYLE}">{html.escape(code)}</td>'
             body.append(f"<tr>{''.join(cells)}<td>{number}</td>{code_cell}</tr>")
         parts.append(
-            f'{title}<div><table><thead style="text-align: left">{"".join(head)}</thead>'
+            f'{heading}<div><table><thead style="text-align: left">{"".join(head)}</thead>'
             f"<tbody>{''.join(body)}</tbody></table></div>"
         )
     return "\n".join(parts)

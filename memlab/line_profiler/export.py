@@ -50,7 +50,7 @@ def records_to_data(
 
         {"format": "memlab.line_records", "version": 1, "source": line or None,
          "columns": [column, ...],
-         "functions": [{"name", "filename", "calls",
+         "functions": [{"name", "filename", "calls", "first_line",
                         "lines": [[line number, source text, [value per column] or None], ...]}]}
 
     Values are what the tables hold for ``columns`` (bytes for ``*_bytes.*`` and ``delta``,
@@ -68,6 +68,7 @@ def records_to_data(
                 "name": table.name,
                 "filename": table.filename,
                 "calls": table.calls,
+                "first_line": table.first_line,
                 "lines": [
                     [number, code, None if values is None else [values[c] for c in columns]]
                     for number, code, values in table.lines
@@ -106,7 +107,10 @@ def _table(function: dict[str, Any], columns: list[str]) -> FunctionTable:
         (int(number), str(code), None if values is None else dict(zip(columns, values, strict=True)))
         for number, code, values in function["lines"]
     ]
-    return FunctionTable(str(function["name"]), str(function["filename"]), int(function["calls"]), lines)
+    first_line = int(function.get("first_line", 0))  # records written before it was kept: unknown
+    return FunctionTable(
+        str(function["name"]), str(function["filename"]), int(function["calls"]), lines, first_line
+    )
 
 
 # -- DataFrame ------------------------------------------------------------------------------------

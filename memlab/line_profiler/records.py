@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import linecache
+import os
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ __all__ = [
     "FunctionTable",
     "LineRecords",
     "validate_columns",
+    "where",
 ]
 
 #: The columns shown when none are asked for, as in pytorch_memlab.
@@ -151,22 +153,85 @@ class ColumnLayout:
         return new
 
 
-def _def_line(code: CodeType) -> int:
-    """The line of the ``def`` statement of ``code`` (``co_firstlineno`` is the first decorator)."""
+def where(filename: str, line: int) -> str:
+    """``file:line`` as a person finds it: the file relative to the working directory when it is
+    under it, else as the code names it (``<stdin>``, a notebook's cell file); the file alone
+    when ``line`` is 0 (unknown)."""
+    if os.path.isabs(filename):
+        cwd = os.getcwd()
+        try:
+            if os.path.commonpath([cwd, filename]) == cwd:
+                filename = os.path.relpath(filename, cwd)
+        except ValueError:  # another drive (Windows)
+            pass
+    return f"{filename}:{line}" if line else filename
+
+
+_Def = ast.FunctionDef | ast.AsyncFunctionDef
+#: (line offset, ``def`` node) of a function: the node's line numbers plus the offset are the file's.
+_Found = tuple[int, _Def] | None
+
+
+def _def_of(nodes: Iterable[ast.AST], code: CodeType, first: int) -> _Def | None:
+    """The ``def`` of ``code`` among ``nodes``: its name, and its first line (decorators included)
+    ``first`` in the parsed text's numbering."""
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name:
+            if min([node.lineno, *(d.lineno for d in node.decorator_list)]) == first:
+                return node
+    return None
+
+
+def _function_node(code: CodeType) -> _Found:
+    """(line offset, ``def`` node) of ``code`` parsed from its source, the node's line numbers plus
+    the offset being the file's; ``None`` for a lambda or where the source cannot be parsed.
+
+    The whole file is parsed when it can be (a nested function whose docstring starts a line at
+    column 0 cannot be dedented alone); otherwise the function's own block."""
     first = code.co_firstlineno
     try:
         lines, _ = inspect.findsource(code)
     except (OSError, TypeError):
-        return first
-    block = inspect.getblock(lines[first - 1 :])
+        return None
     try:
-        tree = ast.parse(textwrap.dedent("".join(block)))
-    except SyntaxError:
-        return first
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return first + node.lineno - 1
-    return first
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        tree = None
+    node = None if tree is None else _def_of(ast.walk(tree), code, first)
+    if node is not None:
+        return 0, node
+    try:
+        block = ast.parse(textwrap.dedent("".join(inspect.getblock(lines[first - 1 :]))))
+    except (SyntaxError, ValueError, IndexError):
+        return None
+    node = _def_of(block.body, code, 1)
+    return None if node is None else (first - 1, node)
+
+
+def _def_line(code: CodeType, found: _Found) -> int:
+    """The line of the ``def`` statement of ``code`` (``co_firstlineno`` is the first decorator)."""
+    if found is None:
+        return code.co_firstlineno
+    offset, node = found
+    return offset + node.lineno
+
+
+def _docstring_lines(found: _Found) -> set[int]:
+    """The lines that hold only the function's docstring (never executed, so never a row): the
+    docstring's span less the ``def`` line and a line a following statement shares."""
+    if found is None:
+        return set()
+    offset, node = found
+    body = node.body
+    doc = body[0]
+    if not (
+        isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
+    ):
+        return set()
+    end = doc.end_lineno or doc.lineno
+    if len(body) > 1 and body[1].lineno == end:
+        end -= 1
+    return {offset + n for n in range(doc.lineno, end + 1) if n != node.lineno}
 
 
 @dataclass
@@ -181,6 +246,8 @@ class FunctionTable:
     filename: str
     calls: int
     lines: list[tuple[int, str, dict[str, int] | None]]
+    #: The line of the ``def`` statement (of the first line for a lambda); 0 where unknown.
+    first_line: int = 0
 
 
 class FunctionRecord:
@@ -210,20 +277,26 @@ class FunctionRecord:
         return max(first, 1), [line.rstrip("\r\n") for line in lines]
 
     def table(self, name: str, columns: Sequence[str]) -> FunctionTable:
-        """The rows for ``columns`` (already validated and recorded), on every source line."""
+        """The rows for ``columns`` (already validated and recorded), on every source line but
+        those of the docstring."""
         index = self.layout.row_index
         rows = {**self.rows}
+        found = _function_node(self.code)
+        def_line = _def_line(self.code, found)
         if ENTRY in rows:
-            entry, line = rows.pop(ENTRY), _def_line(self.code)
-            body = rows.get(line)  # a one-line function: its body runs on the def line
-            rows[line] = entry if body is None else self.layout.merge_entry(entry, body)
+            entry = rows.pop(ENTRY)
+            body = rows.get(def_line)  # a one-line function: its body runs on the def line
+            rows[def_line] = entry if body is None else self.layout.merge_entry(entry, body)
+        docstring = _docstring_lines(found)
         first, source = self.source_lines()
         lines = []
         for offset, text in enumerate(source):
+            if first + offset in docstring:
+                continue
             row = rows.get(first + offset)
             values = None if row is None else {c: row[index[c]] for c in columns}
             lines.append((first + offset, text, values))
-        return FunctionTable(name, self.code.co_filename, self.calls, lines)
+        return FunctionTable(name, self.code.co_filename, self.calls, lines, def_line)
 
 
 class LineRecords:
@@ -261,8 +334,8 @@ class LineRecords:
                 record.rows = {}
 
     def names(self) -> dict[CodeType, str]:
-        """A display name per code object: the qualified name, plus ``file:line`` when two
-        registered functions share it."""
+        """A display name per code object: the qualified name, plus ``(file:line)`` of the ``def``
+        (:func:`where`) when two registered functions share it."""
         counts: dict[str, int] = {}
         for record in self.functions.values():
             counts[record.qualname] = counts.get(record.qualname, 0) + 1
@@ -270,7 +343,7 @@ class LineRecords:
         for code, record in self.functions.items():
             name = record.qualname
             if counts[name] > 1:
-                name = f"{name} ({code.co_filename}:{code.co_firstlineno})"
+                name = f"{name} ({where(code.co_filename, _def_line(code, _function_node(code)))})"
             names[code] = name
         return names
 

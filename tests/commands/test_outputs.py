@@ -28,12 +28,13 @@ def work():
 
 work()
 """
-# The table memlab run prints for SCRIPT on CPU (its tracker entered before the script).
+# The table memlab run prints for SCRIPT on CPU (its tracker entered before the script), for the
+# script at the absolute path {script} (outside the working directory: named as run).
 TABLE = """\
 modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); \
 counted from the program's first line
 
-## work
+## work  ({script}:7)
 
 active_bytes reserved_bytes line  code
          all            all
@@ -131,7 +132,7 @@ def test_a_table_that_cannot_be_written_at_the_end_is_printed_all_the_same(
     full.symlink_to("/dev/full")
     assert main(["run", "-o", str(full), str(script)]) == 1  # the script succeeded; the file is missing
     captured = capsys.readouterr()
-    assert captured.out == "the script ran\n" + TABLE
+    assert captured.out == "the script ran\n" + TABLE.format(script=script)
     assert captured.err == f"memlab run: could not write -o {full}: [Errno 28] No space left on device\n"
 
 
@@ -146,7 +147,7 @@ def test_a_snapshot_and_plot_that_cannot_be_written_leave_the_table_and_the_stat
     argv = ["run", "--snapshot", str(tmp_path / "full.pickle"), "--plot", str(tmp_path / "full.png")]
     assert main([*argv, str(script)]) == 3  # the script's own failure is the status
     captured = capsys.readouterr()
-    assert captured.out == "the script ran\n" + TABLE
+    assert captured.out == "the script ran\n" + TABLE.format(script=script)
     assert captured.err.splitlines() == [
         f"memlab run: could not write --snapshot {tmp_path}/full.pickle: [Errno 28] No space left on device",
         f"memlab run: could not write --plot {tmp_path}/full.png: [Errno 28] No space left on device",
@@ -183,7 +184,7 @@ def test_a_disk_that_fills_up_leaves_every_previous_file_as_it_was(
     assert main(["run", *argv, str(script)]) == 1  # the script succeeded; its files are missing
     monkeypatch.undo()
     captured = capsys.readouterr()
-    assert captured.out == "the script ran\n" + TABLE
+    assert captured.out == "the script ran\n" + TABLE.format(script=script)
     assert captured.err.splitlines() == [
         f"memlab run: could not write {option} {tmp_path}/{name}: [Errno 28] No space left on device"
         for option, name in [("--snapshot", "run.pickle"), ("--plot", "run.png"), ("-o", "out.json")]

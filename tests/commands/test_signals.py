@@ -37,13 +37,14 @@ while True:
     step(x)
 """
 
-# step's table, from the CUDA caching allocator's rules (what a GPU would show): x, 4000 B of
-# float32, is one 4096 B block at entry; y another; the sum's 4 B take a 512 B block.
+# step's table ({script}: the script's absolute path), from the CUDA caching allocator's rules (what
+# a GPU would show): x, 4000 B of float32, is one 4096 B block at entry; y another; the sum's 4 B
+# take a 512 B block.
 STEP_TABLE = """\
 modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); \
 counted from the program's first line
 
-## step
+## step  ({script}:6)
 
 active_bytes reserved_bytes line  code
          all            all
@@ -90,8 +91,8 @@ def test_a_signal_a_cluster_sends_prints_the_table_writes_o_and_exits_128_plus_s
 ):
     returncode, out, err, output, script = signalled(tmp_path, signum)
     assert returncode == status, err
-    assert out == "ready\n" + STEP_TABLE
-    assert output.read_text(encoding="utf-8") == STEP_TABLE
+    assert out == "ready\n" + STEP_TABLE.format(script=script)
+    assert output.read_text(encoding="utf-8") == STEP_TABLE.format(script=script)
     # The line the program was running: in step, or in the loop that calls it (from "ready" on).
     assert re.fullmatch(
         rf"memlab run: {name} received at {re.escape(str(script))}:(6|7|8|13|14|15) \(in (step|<module>)\): "
@@ -105,11 +106,11 @@ def test_os_exit_in_the_program_prints_the_table_and_writes_its_files_first(tmp_
     source = LOOP.replace(
         'print("ready", flush=True)\nwhile True:\n    step(x)\n', "import os\nos._exit(3)\n"
     )
-    process, _ = start(tmp_path, source, "-o", str(output), "--snapshot", str(snapshot))
+    process, script = start(tmp_path, source, "-o", str(output), "--snapshot", str(snapshot))
     out, err = process.communicate(timeout=120)
     assert (process.returncode, err) == (3, "")
-    assert out == STEP_TABLE
-    assert output.read_text(encoding="utf-8") == STEP_TABLE
+    assert out == STEP_TABLE.format(script=script)
+    assert output.read_text(encoding="utf-8") == STEP_TABLE.format(script=script)
     import pickle
 
     with open(snapshot, "rb") as file:  # written by this test's own memlab run, not a stranger's file
@@ -150,14 +151,14 @@ def test_a_sigterm_handler_the_program_installs_runs_instead(tmp_path):
         'print("checkpoint saved", flush=True)\n',
     )
     output = tmp_path / "out.txt"
-    process, _ = start(tmp_path, source, "-o", str(output))
+    process, script = start(tmp_path, source, "-o", str(output))
     assert process.stdout is not None
     assert process.stdout.readline() == "ready\n"
     os.kill(process.pid, signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert (process.returncode, err) == (0, "")  # the program's handler decided: it finished
-    assert out == "checkpoint saved\n" + STEP_TABLE
-    assert output.read_text(encoding="utf-8") == STEP_TABLE
+    assert out == "checkpoint saved\n" + STEP_TABLE.format(script=script)
+    assert output.read_text(encoding="utf-8") == STEP_TABLE.format(script=script)
 
 
 @pytest.fixture
@@ -201,13 +202,13 @@ def test_the_program_s_finally_blocks_run_to_their_end_after_sigterm(tmp_path):
         "    time.sleep(1.5)\n"
         '    print("checkpoint saved", flush=True)\n',
     )
-    process, _ = start(tmp_path, source)
+    process, script = start(tmp_path, source)
     assert process.stdout is not None
     assert process.stdout.readline() == "ready\n"
     os.kill(process.pid, signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 143, err
-    assert out == "checkpoint saved\n" + STEP_TABLE
+    assert out == "checkpoint saved\n" + STEP_TABLE.format(script=script)
 
 
 def test_os_exit_inside_a_profiled_function_shows_what_its_last_line_held(tmp_path):

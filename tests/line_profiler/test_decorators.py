@@ -25,6 +25,7 @@ def run_script(tmp_path, source, **env):
     script.write_text(textwrap.dedent(source))
     result = subprocess.run(
         [sys.executable, str(script)],
+        cwd=tmp_path,  # the tables name the script as script.py
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -43,7 +44,8 @@ def test_the_bare_decorator_records_and_reports_at_exit(global_profiler, exact, 
     global_profiler.print_at_exit()
     first = make.__wrapped__.__code__.co_firstlineno + 1
     assert capsys.readouterr().out == EXACT + (
-        "## test_the_bare_decorator_records_and_reports_at_exit.<locals>.make\n"
+        "## test_the_bare_decorator_records_and_reports_at_exit.<locals>.make"
+        f"  (tests/line_profiler/test_decorators.py:{first})\n"
         "\n"
         "active_bytes reserved_bytes line  code\n"
         "         all            all\n"
@@ -99,8 +101,9 @@ def test_profile_every_prints_the_stats_of_each_group_of_calls(global_profiler, 
     assert tables[0].endswith("\n\n") and tables[1].endswith("\n\n")  # a blank line after each
     tables = [table.rstrip("\n") for table in tables]
     name = "test_profile_every_prints_the_stats_of_each_group_of_calls.<locals>.make"
-    assert tables[0].startswith(f"{name} (calls 1-2)\n")
-    assert tables[1].startswith(f"{name} (calls 3-4)\n")
+    where = f"(tests/line_profiler/test_decorators.py:{make.__wrapped__.__code__.co_firstlineno + 1})"
+    assert tables[0].startswith(f"{name} (calls 1-2)  {where}\n")
+    assert tables[1].startswith(f"{name} (calls 3-4)  {where}\n")
     assert tables[0].splitlines()[-1].split()[:2] == ["2", "2.00K"]
     assert tables[1].splitlines()[-1].split()[:2] == ["2", "4.00K"]
 
@@ -113,11 +116,12 @@ def test_profile_every_prints_the_calls_left_over_at_exit_once(global_profiler, 
     for n in (1024, 2048, 3072):
         make(n)
     name = "test_profile_every_prints_the_calls_left_over_at_exit_once.<locals>.make"
-    assert capsys.readouterr().out.count(f"## {name} (calls 1-2)\n") == 1
-    global_profiler.print_at_exit()
     first = make.__wrapped__.__code__.co_firstlineno
+    where = f"(tests/line_profiler/test_decorators.py:{first + 1})"
+    assert capsys.readouterr().out.count(f"## {name} (calls 1-2)  {where}\n") == 1
+    global_profiler.print_at_exit()
     assert capsys.readouterr().out == EXACT + (
-        f"## {name} (call 3)\n"
+        f"## {name} (call 3)  {where}\n"
         "\n"
         "hits allocated_bytes line  code\n"
         "                 all\n"
@@ -148,9 +152,9 @@ def test_profile_every_leftovers_are_printed_when_the_interpreter_exits(tmp_path
         """,
     )
     assert [line for line in out.splitlines() if line.startswith(("## ", "end"))] == [
-        "## make (calls 1-2)",
+        "## make (calls 1-2)  (script.py:5)",
         "end of script",
-        "## make (call 3)",
+        "## make (call 3)  (script.py:5)",
     ]
 
 
@@ -248,13 +252,13 @@ def test_the_report_is_printed_at_exit_once_a_profiled_function_ran(tmp_path):
     assert out == (
         "modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors "
         "(memlab.TensorTracker); no tensors existed before profiling\n\n"
-        "## inner\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
+        "## inner  (script.py:6)\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
         "        peak           peak\n"
         "                               5  @memlab.profile\n"
         "      80.00K          2.00M    6  def inner():\n"
         "     120.00K          2.00M    7      torch.nn.Linear(100, 100)\n"
         "\n\n"
-        "## outer\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
+        "## outer  (script.py:10)\n\nactive_bytes reserved_bytes line  code\n         all            all\n"
         "        peak           peak\n"
         "                               9  @memlab.profile\n"
         "       0.00B          0.00B   10  def outer():\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import time
 
 import pandas as pd
@@ -50,7 +51,7 @@ def test_text_leaves_lines_that_never_ran_blank(profiled):
     assert repr(profiled.display(branch, COLUMNS)) == (
         f"{EXACT}\n"
         "\n"
-        "## branch\n"
+        f"## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})\n"
         "\n"
         "allocated_bytes reserved_bytes line  code\n"
         "            all            all\n"
@@ -71,7 +72,7 @@ def test_print_stats_shows_the_columns_asked_for_hits_and_delta_included(exact):
     out = io.StringIO()
     lp.print_stats(stream=out)
     assert out.getvalue().splitlines()[2:] == [
-        "## branch",
+        f"## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})",
         "",
         "allocated_bytes delta line  code",
         "            all",
@@ -91,7 +92,7 @@ def test_display_of_hits_alone_shows_hits_alone(exact):
         branch(True)
     lp.add_columns(["delta", "hits"])  # added after: shown after, each once
     assert repr(lp.display()).splitlines()[2:] == [
-        "## branch",
+        f"## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})",
         "",
         "hits delta line  code",  # one-part columns: one header line, no blank ones
         f"   1 0.00B {line(branch, 0):>4}  def branch(flag):",
@@ -105,7 +106,8 @@ def test_display_of_hits_alone_shows_hits_alone(exact):
 
 def test_text_reports_a_registered_function_that_never_ran(profiled):
     assert repr(profiled.display(never_called)) == (
-        f"{EXACT}\n\n## never_called\n\nregistered, but never called while profiling\n"
+        f"{EXACT}\n\n## never_called  (tests/line_profiler/test_display.py:{line(never_called, 0)})\n\n"
+        "registered, but never called while profiling\n"
     )
 
 
@@ -127,13 +129,19 @@ def test_text_shows_hits_delta_and_keys_with_fewer_parts(profiled):
 
 def test_display_of_all_functions_joins_them_in_registration_order(profiled):
     text = repr(profiled.display(columns=COLUMNS))
-    assert text.startswith(f"{EXACT}\n\n## branch\n")
-    assert text.endswith("\n\n\n## never_called\n\nregistered, but never called while profiling\n")
+    assert text.startswith(f"{EXACT}\n\n## branch  (tests/line_profiler/test_display.py:{line(branch, 0)})\n")
+    assert text.endswith(
+        f"\n\n\n## never_called  (tests/line_profiler/test_display.py:{line(never_called, 0)})\n\n"
+        "registered, but never called while profiling\n"
+    )
 
 
 def test_html_draws_a_bar_per_column_scaled_to_its_largest_value(profiled):
     html = profiled.display(branch, COLUMNS)._repr_html_()
-    assert html.startswith(f'<p>{EXACT}</p>\n<h3><span style="font-family: monospace">branch</span></h3>')
+    assert html.startswith(
+        f'<p>{EXACT}</p>\n<h3><span style="font-family: monospace">branch  '
+        f"(tests/line_profiler/test_display.py:{line(branch, 0)})</span></h3>"
+    )
     assert html.count("linear-gradient(90deg, #4878d0 100.0%, transparent 100.0%)") == 2
     assert html.count("linear-gradient(90deg, #ee854a 100.0%, transparent 100.0%)") == 2
     assert "block = torch.empty(2048, dtype=U8)" in html
@@ -173,8 +181,9 @@ def test_print_stats_writes_to_sys_stdout_as_it_is_when_called(profiled):
 def test_print_stats_writes_to_a_given_stream(profiled):
     stream = io.StringIO()
     profiled.print_stats(never_called, stream=stream)
-    assert (
-        stream.getvalue() == f"{EXACT}\n\n## never_called\n\nregistered, but never called while profiling\n"
+    assert stream.getvalue() == (
+        f"{EXACT}\n\n## never_called  (tests/line_profiler/test_display.py:{line(never_called, 0)})\n\n"
+        "registered, but never called while profiling\n"
     )
 
 
@@ -258,3 +267,152 @@ def test_the_optional_time_column_sums_the_wall_time_of_each_line(exact):
 )
 def test_times_print_in_human_units(nanoseconds, text):
     assert format_time(nanoseconds) == text
+
+
+# -- the header names the file and line; docstrings are not rows ------------------------------------
+EXAMPLE = '''\
+import functools
+
+import torch
+
+
+def inner(n):
+    """Make ``n`` bytes.
+
+    A docstring of several lines, never executed.
+    """
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def outer():
+    first = inner(1024)
+    "a string after the first statement: not a docstring"
+    return first, inner(2048)
+
+
+def keep(func):
+    @functools.wraps(func)
+    def wrapper(*args):
+        return func(*args)
+
+    return wrapper
+
+
+@keep
+def decorated():
+    \'\'\'One line.\'\'\'
+    return torch.empty(512, dtype=torch.uint8)
+
+
+def enclosing():
+    def nested():
+        """Nested,
+with a docstring line at column 0."""
+        return torch.empty(256, dtype=torch.uint8)
+
+    return nested
+
+
+def shares_a_line():
+    """Doc."""; made = torch.empty(128, dtype=torch.uint8)  # noqa: E702
+    return made
+
+
+def no_docstring():
+    return torch.empty(64, dtype=torch.uint8)
+
+
+make = lambda: torch.empty(32, dtype=torch.uint8)  # noqa: E731
+'''
+
+
+@pytest.fixture
+def example(tmp_path, monkeypatch):
+    """``example.py`` in a fresh folder, imported as a module, with that folder as working directory."""
+    import importlib.util
+
+    (tmp_path / "example.py").write_text(EXAMPLE, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("example", tmp_path / "example.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(tmp_path)
+    return module
+
+
+def test_the_header_names_the_file_relative_to_the_working_directory_and_the_def_line(exact, example):
+    lp = memlab.LineProfiler(example.outer, example.inner, columns=("allocated_bytes.all.peak",))
+    with lp:
+        example.outer()
+    assert repr(lp.display()).split("\n", 2)[2] == (
+        "## outer  (example.py:14)\n"
+        "\n"
+        "allocated_bytes line  code\n"
+        "            all\n"
+        "           peak\n"
+        "          0.00B   14  def outer():\n"
+        "          1.00K   15      first = inner(1024)\n"
+        '          1.00K   16      "a string after the first statement: not a docstring"\n'
+        "          3.00K   17      return first, inner(2048)\n"
+        "\n"
+        "\n"
+        "## inner  (example.py:6)\n"
+        "\n"
+        "allocated_bytes line  code\n"
+        "            all\n"
+        "           peak\n"
+        "          1.00K    6  def inner(n):\n"
+        "          3.00K   11      return torch.empty(n, dtype=torch.uint8)\n"
+    )
+
+
+def test_the_header_names_a_file_outside_the_working_directory_as_the_code_does(exact, example, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.chdir(elsewhere)
+    lp = memlab.LineProfiler(example.no_docstring)
+    assert repr(lp.display()) == (
+        f"## no_docstring  ({tmp_path / 'example.py'}:48)\n\nregistered, but never called while profiling\n"
+    )
+
+
+def test_html_heading_names_the_file_and_line(exact, example):
+    lp = memlab.LineProfiler(example.no_docstring)
+    with lp:
+        example.no_docstring()
+    assert '<h3><span style="font-family: monospace">no_docstring  (example.py:48)</span></h3>' in (
+        lp.display()._repr_html_()
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "decorated",
+            [(28, "@keep"), (29, "def decorated():"), (31, "    return torch.empty(512, dtype=torch.uint8)")],
+        ),
+        ("nested", [(35, "    def nested():"), (38, "        return torch.empty(256, dtype=torch.uint8)")]),
+        (
+            "shares_a_line",
+            [
+                (43, "def shares_a_line():"),
+                (44, '    """Doc."""; made = torch.empty(128, dtype=torch.uint8)  # noqa: E702'),
+                (45, "    return made"),
+            ],
+        ),
+        (
+            "no_docstring",
+            [(48, "def no_docstring():"), (49, "    return torch.empty(64, dtype=torch.uint8)")],
+        ),
+        ("make", [(52, "make = lambda: torch.empty(32, dtype=torch.uint8)  # noqa: E731")]),
+    ],
+)
+def test_docstring_lines_have_no_rows_in_every_kind_of_function(exact, example, name, expected):
+    func = example.enclosing() if name == "nested" else getattr(example, name)
+    lp = memlab.LineProfiler(func)
+    with lp:
+        func()
+    (table,) = lp.display().tables
+    assert [(number, code) for number, code, _ in table.lines] == expected
+    assert all(values is not None for number, _, values in table.lines if number not in (28, 35))
+    assert lp.to_dataframe().index.get_level_values("line").tolist() == [n for n, _ in expected]

@@ -74,4 +74,7 @@ def test_calls_in_dataloader_workers_are_one_line_at_exit(tmp_path, context):
 def test_memlab_run_says_so_after_the_table(tmp_path):
     done = run(tmp_path, "fork", "-c", "active_bytes.all.peak", "-D")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"{256 * 15}\n## make\n\nregistered, but never called while profiling\n\n{LINE}"
+    assert done.stdout == (  # load.py is outside the working directory: named as run, absolute
+        f"{256 * 15}\n## make  ({tmp_path / 'load.py'}:9)\n\n"
+        f"registered, but never called while profiling\n\n{LINE}"
+    )
