@@ -25,7 +25,8 @@ def test_the_example_prints_train_step_line_by_line_at_exit():
     # call: adopted, as a GPU's numbers would include them.
     assert lines[1] == (
         "modelled (no CUDA GPU here): CUDA caching allocator replayed from cpu tensors "
-        "(memlab.TensorTracker); 14 tensor storages (6.55M) existed before profiling"
+        "(memlab.TensorTracker); 14 tensor storages (6.55M) existed before profiling; includes 2 "
+        "modelled cuBLAS workspaces of the H100: 64.00M"
     )
     # Weights, gradients and both AdamW moments (4 x 6.1 MiB) plus the data are alive at entry
     # once a step has run, and the modelled H100's two 32 MiB cuBLAS workspaces (forward's thread's,
