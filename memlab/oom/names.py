@@ -27,7 +27,8 @@ CULPRITS = 5
 
 @dataclass(frozen=True)
 class Culprit:
-    """A live tensor at the moment of the OOM: its ``MemReporter`` name, category, bytes (as the
+    """A live tensor at the moment of the OOM: its ``MemReporter`` name (``unnamed (4096, 1024) float32``
+    for a tensor neither a model, an optimizer nor a variable names), category, bytes (as the
     allocator counts them), shape, dtype and ``file:line`` of its allocation (``None`` without a
     history)."""
 
@@ -75,10 +76,21 @@ def culprits(
         records = [r for r in records if r.name not in names]
     local = _local_names(stack_locals)
     renamed = {name: local[id(tensor)] for tensor, name in anonymous if id(tensor) in local}
+    unnamed = {name for _, name in anonymous} - renamed.keys()
     records = [r._replace(name=renamed.get(r.name, r.name)) for r in records]
-    records = sorted((r for r in records if r.memory), key=lambda r: -r.memory)
+    # Largest first; of equal sizes, those the user can name first. A tensor nothing names is shown
+    # by its shape and dtype: MemReporter's TensorN follows the order gc lists objects in, which
+    # differs between torch releases and runs.
+    records = sorted((r for r in records if r.memory), key=lambda r: (-r.memory, r.name in unnamed))
     return [
-        Culprit(r.name, r.category, r.memory, r.size_text, r.dtype, r.allocated_at)
+        Culprit(
+            f"unnamed {r.size_text} {str(r.dtype).removeprefix('torch.')}" if r.name in unnamed else r.name,
+            r.category,
+            r.memory,
+            r.size_text,
+            r.dtype,
+            r.allocated_at,
+        )
         for r in records[:CULPRITS]
     ]
 
