@@ -15,6 +15,15 @@ op by op, which workspace an op needs and whether it exists yet.
 A tracker that models a GPU for tensors that are not on one (a CPU or ``meta`` run, or an estimate's
 fake tensors) allocates these workspaces in its allocator model; on a real GPU the real allocator
 holds them and the tracker does not invent them.
+
+Under torch 2.8 (read from its ``libtorch_cuda.so``: 2.8 has no ``getCUDABlasLtWorkspace`` nor
+``cublaslt_handle_stream_to_workspace``; ``CUDABlas.cpp``'s ``CublasLtWorkspace``): cuBLASLt has no
+workspace per handle. Each cuBLASLt call allocates its own (1 MiB unless ``CUBLASLT_WORKSPACE_SIZE``)
+through the caching allocator and frees it when the call returns; only
+``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` makes it use the cuBLAS workspace (``check_env(...) == true``:
+unset is not unified). Its handle is the cuBLAS handle (``getCurrentCUDABlasLtHandle`` calls
+``getCurrentCUDABlasHandle``, which gives the (handle, stream) its cuBLAS workspace), and the default
+cuBLAS workspace is 32 MiB on sm90 only (``parseChosenWorkspaceSize``: ``major == 9 && minor == 0``).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 
 from memlab._gpus import GPU
 from memlab._tensors import storages_of
+from memlab._torch_version import torch_at_least
 
 __all__ = [
     "BLAS_OPS",
@@ -113,6 +123,8 @@ _MATRIX_ARGS = {
 _LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CONFIG = re.compile(r":([0-9]+):([0-9]+)")  # CublasHandlePool.cpp: parseChosenWorkspaceSize's regex
 _STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")  # what std::stoi reads of a string's start
+#: torch 2.8's cuBLASLt workspaces: one per call, freed when the call returns (see the module docstring).
+_LT_PER_CALL = not torch_at_least(2, 9)
 _CONVOLUTION_CAVEAT = (
     "{ops} ran: on CUDA, cuDNN allocates a workspace through the caching allocator for each "
     "convolution call (forward and backward) and frees it when the call returns; its size depends on "
@@ -125,8 +137,9 @@ _CONVOLUTION_CAVEAT = (
 def default_cublas_workspace_size(gpu: GPU) -> int:
     """The cuBLAS workspace per handle and stream without ``CUBLAS_WORKSPACE_CONFIG``, in bytes:
     32 MiB (``:4096:8``) on compute capability 9.x, 10.x and 12.x (Hopper, Blackwell), else
-    ``:4096:2:16:8`` = 8,519,680 B (``CublasHandlePool.cpp``: ``parseChosenWorkspaceSize``)."""
-    if gpu.capability[0] in (9, 10, 12):
+    ``:4096:2:16:8`` = 8,519,680 B (``CublasHandlePool.cpp``: ``parseChosenWorkspaceSize``). Under
+    torch 2.8 32 MiB on compute capability 9.0 only (its ``parseChosenWorkspaceSize``)."""
+    if gpu.capability[0] in (9, 10, 12) if torch_at_least(2, 9) else gpu.capability == (9, 0):
         return 4096 * 8 * _KiB
     return 4096 * _KiB * 2 + 16 * _KiB * 8
 
@@ -166,16 +179,17 @@ def unified_workspaces(value: str | None) -> bool:
     """Whether cuBLASLt shares the cuBLAS workspace, for a ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` of
     ``value`` (``None``: unset): ``"0"`` gives it its own, anything else shares, as PyTorch's
     ``unified_cublas_and_lt_workspaces`` reads it outside fbcode (``c10::utils::check_env``: only
-    ``"0"`` and ``"1"`` are valid; another value warns as PyTorch does and counts as unset)."""
+    ``"0"`` and ``"1"`` are valid; another value warns as PyTorch does and counts as unset). Under
+    torch 2.8 only ``"1"`` shares (``check_env(...) == true``, its ``CUDABlas.cpp``)."""
     if value is None or value in ("0", "1"):
-        return value != "0"
+        return value != "0" if torch_at_least(2, 9) else value == "1"
     warnings.warn(
         f"Ignoring invalid value for boolean flag TORCH_CUBLASLT_UNIFIED_WORKSPACE: {value}valid values "
         "are 0 or 1.",
         UserWarning,
         stacklevel=2,
     )
-    return True
+    return torch_at_least(2, 9)
 
 
 def cublaslt_workspace_size(value: str | None, unified: bool, cublas: int, chosen_default: int) -> int:
@@ -184,15 +198,20 @@ def cublaslt_workspace_size(value: str | None, unified: bool, cublas: int, chose
     it: default ``chosen_default`` (the cuBLAS size parsed from the environment) when ``unified``,
     else 1 MiB; the value read by ``std::stoi`` (leading blanks and a sign, then digits; a value it
     cannot read, or one beyond ``int``, warns and keeps the default; a negative one wraps as
-    ``size_t``); when ``unified``, at most ``cublas``, the workspace it shares."""
-    kib = chosen_default // _KiB if unified else 1024
+    ``size_t``); when ``unified``, at most ``cublas``, the workspace it shares. Under torch 2.8 the
+    default is 1 MiB unified or not, and an unreadable value warns "invalid CUBLASLT_WORKSPACE_SIZE"
+    (its ``CUDABlas.cpp``: ``_parseChosenWorkspaceSize``)."""
+    kib = chosen_default // _KiB if unified and torch_at_least(2, 9) else 1024
     if value is not None:
         match = _STOI.match(value)
         read = None if match is None else int(match.group(1))
         if read is None or not -_INT_MAX - 1 <= read <= _INT_MAX:
             what = "invalid" if read is None else "out of range"
+            name = f"CUBLASLT_WORKSPACE_SIZE {what}"
+            if read is None and not torch_at_least(2, 9):
+                name = "invalid CUBLASLT_WORKSPACE_SIZE"
             warnings.warn(
-                f"CUBLASLT_WORKSPACE_SIZE {what}, using default workspace size of {kib} KiB.",
+                f"{name}, using default workspace size of {kib} KiB.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -270,7 +289,10 @@ class CublasWorkspaces:
     ``allocate(device, nbytes)`` and remembers the key. With unified workspaces (the default) a
     cuBLASLt op uses the cuBLAS workspace of its key, and allocates it (of the cuBLAS size) when it
     is the first (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
-    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` it allocates its own of ``sizes.cublaslt`` bytes.
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` it allocates its own of ``sizes.cublaslt`` bytes. Under
+    torch 2.8 a cuBLASLt op gives its key the cuBLAS workspace (its handle is the cuBLAS handle) and,
+    not unified, allocates ``sizes.cublaslt`` bytes for the call only (``allocate(device, nbytes,
+    transient=True)``: allocated and freed at once, after the op's outputs).
     Which ops run through cuBLASLt: :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose
     bias can be fused (``Blas.cpp``: ``isInputCompliesAddmmCudaLt``, unless
     ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when ``torch.backends.cuda.preferred_blas_library()``
@@ -302,7 +324,7 @@ class CublasWorkspaces:
         func: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
-        allocate: Callable[[torch.device, int], None],
+        allocate: Callable[..., None],
     ) -> None:
         """Allocate, through ``allocate(device, nbytes)``, the workspace ``func(*args, **kwargs)``
         takes on a GPU when its key has none yet; note a convolution."""
@@ -318,13 +340,28 @@ class CublasWorkspaces:
         if not self._takes_handle(name, args):
             return
         own_lt = not self.sizes.unified and self._uses_lt(packet, name, args, kwargs)
+        if _LT_PER_CALL:  # torch 2.8: the handle's cuBLAS workspace, then cuBLASLt's for this call
+            where = self._where(tensors[0])
+            self._take(("cublas", *where), allocate)
+            if own_lt:
+                allocate(where[0], self.sizes.cublaslt, transient=True)
+            return
         pool = "cublaslt" if own_lt else "cublas"
+        self._take((pool, *self._where(tensors[0])), allocate)
+
+    @staticmethod
+    def _where(tensor: torch.Tensor) -> tuple[torch.device, int, str | int]:
+        """The (device, stream, handle) of an op on ``tensor``."""
         # The tracker's device: its storage's (a fake tensor's is meta; a DTensor's, its local shard's).
-        storages = storages_of(tensors[0])
-        device = storages[0].device if storages else tensors[0].device
-        key = (pool, device, _stream(tensors[0].device), _handle())
+        storages = storages_of(tensor)
+        device = storages[0].device if storages else tensor.device
+        return device, _stream(tensor.device), _handle()
+
+    def _take(self, key: tuple[str, torch.device, int, str | int], allocate: Callable[..., None]) -> None:
+        """Give ``key`` (pool, device, stream, handle) its workspace unless it has one."""
         if key in self.keys:
             return
+        pool, device = key[0], key[1]
         if self._present.get((pool, device), 0) > 0:
             self._present[(pool, device)] -= 1
         else:

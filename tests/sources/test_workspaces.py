@@ -4,7 +4,9 @@ Sizes follow ``aten/src/ATen/cuda/CublasHandlePool.cpp`` of torch 2.13: ``parseC
 (``:4096:8`` = 32 MiB on sm90/sm100/sm120, else ``:4096:2:16:8`` = 8,519,680 B; every ``:SIZE:COUNT``
 of ``CUBLAS_WORKSPACE_CONFIG`` adds SIZE KiB x COUNT), ``parseCUDABlasLtWorkspaceSize`` and
 ``unified_cublas_and_lt_workspaces``; a workspace is allocated per (handle, stream), a handle per
-thread and device (``DeviceThreadHandlePool::reserve``).
+thread and device (``DeviceThreadHandlePool::reserve``). Under torch 2.8 (its ``libtorch_cuda.so``,
+see memlab.sources.workspaces): 32 MiB on sm90 only, cuBLASLt unified only with
+``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``, and its own workspace (1 MiB) allocated for each call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 import memlab
 from memlab._gpus import GPUS, resolve_gpu
+from memlab._torch_version import torch_at_least
 from memlab.sources import workspaces
 from memlab.sources.workspaces import (
     cublas_workspace_size,
@@ -29,6 +32,7 @@ from memlab.sources.workspaces import (
 MiB = 2**20
 H100_WORKSPACE = 4096 * 8 * 1024  # :4096:8
 A100_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # :4096:2:16:8
+TORCH_2_8 = not torch_at_least(2, 9)  # torch 2.8's CublasHandlePool.cpp / CUDABlas.cpp
 ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE")
 
 
@@ -41,9 +45,16 @@ def clean_environment(monkeypatch):
 # -- sizes --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("gpu", "size"),
-    [("H100", H100_WORKSPACE), ("B200", H100_WORKSPACE), ("sm120", H100_WORKSPACE), ("A100", 8_519_680),
-     ("L4", 8_519_680), ("V100", 8_519_680), ("T4", 8_519_680)],
-)  # fmt: skip
+    [
+        ("H100", H100_WORKSPACE),  # torch 2.8: 32 MiB on sm90 only
+        ("B200", A100_WORKSPACE if TORCH_2_8 else H100_WORKSPACE),
+        ("sm120", A100_WORKSPACE if TORCH_2_8 else H100_WORKSPACE),
+        ("A100", 8_519_680),
+        ("L4", 8_519_680),
+        ("V100", 8_519_680),
+        ("T4", 8_519_680),
+    ],
+)
 def test_the_default_workspace_is_32_mib_on_hopper_and_blackwell_else_4096_2_16_8(gpu, size):
     assert default_cublas_workspace_size(resolve_gpu(gpu)) == size
     assert A100_WORKSPACE == 8_519_680
@@ -89,11 +100,12 @@ def test_a_number_beyond_64_bits_is_a_value_error_naming_the_variable():
 
 
 def test_unified_workspaces_is_the_default_and_only_0_turns_it_off():
-    assert unified_workspaces(None) is True
+    # torch 2.8: opt-in, only "1" unifies (check_env(...) == true in its CUDABlas.cpp)
+    assert unified_workspaces(None) is not TORCH_2_8
     assert unified_workspaces("1") is True
     assert unified_workspaces("0") is False
     with pytest.warns(UserWarning) as caught:
-        assert unified_workspaces("false") is True
+        assert unified_workspaces("false") is not TORCH_2_8
     assert str(caught[0].message) == (
         "Ignoring invalid value for boolean flag TORCH_CUBLASLT_UNIFIED_WORKSPACE: false"
         "valid values are 0 or 1."
@@ -106,7 +118,7 @@ def test_cublaslt_workspace_size_is_kib_read_by_stoi_capped_by_the_cublas_one_wh
             value, unified=unified, cublas=A100_WORKSPACE, chosen_default=A100_WORKSPACE
         )
 
-    assert lt(None, unified=True) == A100_WORKSPACE
+    assert lt(None, unified=True) == (MiB if TORCH_2_8 else A100_WORKSPACE)  # 2.8: 1 MiB default
     assert lt(None, unified=False) == MiB
     assert lt(" +512kib", unified=False) == 512 * 1024
     assert lt("65536", unified=False) == 64 * MiB
@@ -115,8 +127,9 @@ def test_cublaslt_workspace_size_is_kib_read_by_stoi_capped_by_the_cublas_one_wh
     with pytest.warns(UserWarning) as caught:
         assert lt("big", unified=False) == MiB
         assert lt("2147483648", unified=False) == MiB
+    invalid = "invalid CUBLASLT_WORKSPACE_SIZE" if TORCH_2_8 else "CUBLASLT_WORKSPACE_SIZE invalid"
     assert [str(w.message) for w in caught] == [
-        "CUBLASLT_WORKSPACE_SIZE invalid, using default workspace size of 1024 KiB.",
+        f"{invalid}, using default workspace size of 1024 KiB.",
         "CUBLASLT_WORKSPACE_SIZE out of range, using default workspace size of 1024 KiB.",
     ]
 
@@ -124,10 +137,13 @@ def test_cublaslt_workspace_size_is_kib_read_by_stoi_capped_by_the_cublas_one_wh
 def test_workspace_sizes_reads_the_three_variables_from_the_environment():
     environ = {"CUBLAS_WORKSPACE_CONFIG": ":4096:2", "CUBLASLT_WORKSPACE_SIZE": "256"}
     sizes = workspaces.WorkspaceSizes
-    assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, True)
+    assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, not TORCH_2_8)
     environ["TORCH_CUBLASLT_UNIFIED_WORKSPACE"] = "0"
     assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, False)
-    assert workspace_sizes(GPUS["A100"], {}) == sizes(A100_WORKSPACE, A100_WORKSPACE, True)
+    if TORCH_2_8:  # 2.8: not unified, 1 MiB
+        assert workspace_sizes(GPUS["A100"], {}) == sizes(A100_WORKSPACE, MiB, False)
+    else:
+        assert workspace_sizes(GPUS["A100"], {}) == sizes(A100_WORKSPACE, A100_WORKSPACE, True)
 
 
 # -- where a tracker allocates them -------------------------------------------------------------------
@@ -297,10 +313,18 @@ def test_with_unified_workspaces_off_cublaslt_allocates_its_own(monkeypatch):
     x = torch.randn(8, 16)
     with memlab.TensorTracker(gpu="A100", history=True) as tracker:
         y = layer(x)
-        assert tracker.by_category()["workspace"] == 2 * MiB  # cuBLASLt's own
+        if TORCH_2_8:  # the handle's cuBLAS workspace; cuBLASLt's own only while the call runs
+            assert tracker.by_category()["workspace"] == A100_WORKSPACE
+            assert tracker.memory_stats()["allocated_bytes.all.peak"] == 512 + A100_WORKSPACE + 2 * MiB
+        else:
+            assert tracker.by_category()["workspace"] == 2 * MiB  # cuBLASLt's own
         z = x @ layer.weight  # mm: cuBLAS
-    assert tracker.by_category()["workspace"] == 2 * MiB + A100_WORKSPACE
-    assert [key[0] for key in tracker.workspaces.keys] == ["cublaslt", "cublas"]
+    if TORCH_2_8:
+        assert tracker.by_category()["workspace"] == A100_WORKSPACE
+        assert [key[0] for key in tracker.workspaces.keys] == ["cublas"]
+    else:
+        assert tracker.by_category()["workspace"] == 2 * MiB + A100_WORKSPACE
+        assert [key[0] for key in tracker.workspaces.keys] == ["cublaslt", "cublas"]
     del y, z
 
 
@@ -380,6 +404,8 @@ def test_inference_mode_takes_the_workspace_as_no_grad_does():
     # Under inference mode aten.linear reaches the tracker whole (autograd, which decomposes it into
     # t and addmm, is skipped); the tracker decomposes it and sees the addmm that takes the handle.
     # Peak: the first Linear's output (32x256 float32 = 32,768 B), the workspace, and ReLU's output.
-    expected = 32_768 + H100_WORKSPACE + 32_768
+    # torch 2.8: the second Linear's cuBLASLt call (a bias addmm), with ReLU's output, its own
+    # output (32x64 float32 = 8,192 B) and the 1 MiB cuBLASLt workspace of the call.
+    expected = 32_768 + H100_WORKSPACE + (8_192 + MiB if TORCH_2_8 else 32_768)
     assert mlp_forward_peak(torch.no_grad) == (expected, 8_192 + H100_WORKSPACE, H100_WORKSPACE)
     assert mlp_forward_peak(torch.inference_mode) == (expected, 8_192 + H100_WORKSPACE, H100_WORKSPACE)
