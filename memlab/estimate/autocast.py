@@ -33,6 +33,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memlab._autocast import AutocastWatch, unwatch, watch
+from memlab._torch_version import torch_at_least
 
 __all__ = ["CUDA_AUTOCAST_OPS", "CudaAutocast"]
 
@@ -66,6 +67,15 @@ _FP32_SET_OPT_DTYPE = (  # AT_FORALL_FP32_SET_OPT_DTYPE
 )  # fmt: skip
 # AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE: the overload registered -> the one it redispatches to.
 _FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+# torch 2.8's autocast_mode.h (its installed header): no rms_norm on the fp32 list (added since), and
+# the Dimname overloads registered as well, with the policy of their list.
+if not torch_at_least(2, 9):
+    _FP32 = tuple(name for name in _FP32 if name != "rms_norm")
+    _FP32_SET_OPT_DTYPE += (
+        "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname",
+        "cumsum.dimname", "sum.dim_DimnameList",
+    )  # fmt: skip
+    _FP32_APPEND_DTYPE["norm.names_ScalarOpt_dim"] = "norm.names_ScalarOpt_dim_dtype"
 _PROMOTE = (  # AT_FORALL_PROMOTE
     "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
     "tensordot", "scatter_add",

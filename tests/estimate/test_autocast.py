@@ -109,7 +109,8 @@ def test_backward_casts_gradients_back_to_the_parameters_dtype():
 # -- the op lists ------------------------------------------------------------------------------
 def test_the_op_list_is_the_installed_torchs_autocast_cuda_registrations():
     registered = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
-    assert set(CUDA_AUTOCAST_OPS) == {name.removeprefix("aten::") for name in registered}
+    # a CUDA build also registers _cudnn_rnn (aten/src/ATen/cudnn/AutocastRNN.cpp), left out on purpose
+    assert set(CUDA_AUTOCAST_OPS) == {name.removeprefix("aten::") for name in registered} - {"_cudnn_rnn"}
     assert CUDA_AUTOCAST_OPS["linear"] == "lower_precision_fp"
     assert CUDA_AUTOCAST_OPS["softmax.int"] == "fp32_set_opt_dtype"
     assert CUDA_AUTOCAST_OPS["layer_norm"] == "fp32"
