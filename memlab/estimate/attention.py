@@ -90,9 +90,10 @@ def prefers_cudnn(capability: tuple[int, int]) -> bool:
     (sdp_utils.cpp: ``check_prefer_cudnn_attention``): not with ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``;
     cuDNN newer than 9.15.0; sm9x or sm10x, under CUDA 12 only sm90, sm100 and sm103. Never under
     torch 2.8, where cuDNN attention is opt-in on every GPU (pytorch/pytorch#138522; the default came
-    back for sm90/sm100 with #162073, in 2.9): 2.8's ``priority_order`` keeps Context.h's order, and
-    its ``libtorch_cuda.so`` does not even import ``at::Context::setSDPPriorityOrder``, which 2.11's
-    and 2.14's call to put cuDNN first, nor read ``TORCH_CUDNN_SDPA_DEPRIORITIZED``."""
+    back for sm90/sm100 with #162073, in 2.9): 2.8's ``select_sdp_backend`` (its ``libtorch_cuda.so``)
+    tries backends in ``at::Context::sDPPriorityOrder()``'s order as it is, and 2.8 has no
+    ``check_prefer_cudnn_attention`` state nor any ``TORCH_CUDNN_SDPA_*`` preference variable, which
+    2.9.1 has (``TORCH_CUDNN_SDPA_PREFERRED``) and 2.11 on (``TORCH_CUDNN_SDPA_DEPRIORITIZED``)."""
     if not torch_at_least(2, 9):
         return False
     if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":  # c10::utils::check_env: "1" only
