@@ -167,6 +167,7 @@ def without_workspaces(monkeypatch):
     its tensors alone: run it with no cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG=:0:0``, which
     PyTorch reads as 0 bytes). The GPT scenario above keeps the workspaces."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "0")  # torch 2.8: cuBLASLt's own, per call
 
 
 def _pinned_failure(history: bool = True, remedies: bool = True):
