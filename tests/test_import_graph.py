@@ -56,6 +56,7 @@ LAYERS = {
     "memlab._call_watches": 1,
     "memlab._progress": 1,
     "memlab._user_code": 1,
+    "memlab._torch_version": 1,
     # 2: the CUDA caching allocator model; records of alloc/free with stacks, categories
     "memlab.sources.allocator": 2,
     "memlab.history": 2,
