@@ -52,8 +52,9 @@ __all__ = [
 #: 9.15.1 required for seq_len not divisible by 128 fix, CUDA <= 12.9 wheels ship with older
 #: cuDNN"), so this is the oldest cuDNN with which an H100 picks cuDNN attention, as recent wheels
 #: do; with it, cuDNN takes head dims up to 128 (192 for query/key with 128 for value on sm90/sm10x),
-#: not the 256 of cuDNN newer than 9.22 built with cudnn-frontend 1.24.
-ASSUMED_CUDNN_VERSION = 91501
+#: not the 256 of cuDNN newer than 9.22 built with cudnn-frontend 1.24. Under torch 2.8: 9.10.2, the
+#: cuDNN its CUDA wheels ship (torch 2.8.0's METADATA: ``nvidia-cudnn-cu12==9.10.2.21``).
+ASSUMED_CUDNN_VERSION = 91501 if torch_at_least(2, 9) else 91002
 #: The CUDA major version assumed likewise: 13, the CUDA of the wheels that carry such a cuDNN.
 #: Under CUDA 12 sdp_utils.cpp prefers cuDNN only on minor versions 0 and 3 (sm90, sm100, sm103).
 ASSUMED_CUDA_MAJOR = 13
@@ -96,7 +97,14 @@ def _cuda_major() -> int:
 def prefers_cudnn(capability: tuple[int, int]) -> bool:
     """Whether PyTorch puts cuDNN attention first on a GPU of this compute capability
     (sdp_utils.cpp: ``check_prefer_cudnn_attention``): not with ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``;
-    cuDNN newer than 9.15.0; sm9x or sm10x, under CUDA 12 only sm90, sm100 and sm103."""
+    cuDNN newer than 9.15.0; sm9x or sm10x, under CUDA 12 only sm90, sm100 and sm103. Never under
+    torch 2.8, where cuDNN attention is opt-in on every GPU (pytorch/pytorch#138522; the default came
+    back for sm90/sm100 with #162073, in 2.9): 2.8's ``select_sdp_backend`` (its ``libtorch_cuda.so``)
+    tries backends in ``at::Context::sDPPriorityOrder()``'s order as it is, and 2.8 has no
+    ``check_prefer_cudnn_attention`` state nor any ``TORCH_CUDNN_SDPA_*`` preference variable, which
+    2.9.1 has (``TORCH_CUDNN_SDPA_PREFERRED``) and 2.11 on (``TORCH_CUDNN_SDPA_DEPRIORITIZED``)."""
+    if not torch_at_least(2, 9):
+        return False
     if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") == "1":  # c10::utils::check_env: "1" only
         return False
     major, minor = capability
@@ -108,11 +116,14 @@ def prefers_cudnn(capability: tuple[int, int]) -> bool:
 def priority_order(capability: tuple[int, int]) -> list[str]:
     """The backends in the order ``select_sdp_backend`` tries them on this GPU: the order set with
     ``torch.nn.attention.sdpa_kernel(..., set_priority=True)`` if the user changed it, else the
-    default (flash, efficient, math, cudnn), with cuDNN first where :func:`prefers_cudnn`."""
+    default (flash, efficient, math, cudnn), with cuDNN first where :func:`prefers_cudnn`. Each
+    backend once, at its first place: torch 2.8's Context.h lists four backends in an array of five
+    (no ``overrideable``), so its fifth entry reads 0, math again, which ``select_sdp_backend`` only
+    tries a second time."""
     order = list(torch._C._get_sdp_priority_order())
     if order == _DEFAULT_ORDER and prefers_cudnn(capability):
         order = _CUDNN_FIRST
-    return [_NAMES[code] for code in order]
+    return [_NAMES[code] for code in dict.fromkeys(order)]
 
 
 def _between(capability: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
@@ -239,7 +250,11 @@ def _cudnn_shapes_fit(
     unsupported_sm107 = major == 10 and minor == 7 and version <= 92500
     supports_d256 = sm90_or_sm10x and not unsupported_sm107 and version > 92200 and _FRONTEND_SUPPORTS_D256
     limit = 128
-    if not torch_at_least(*FRONTEND_D256_RULE_SINCE):  # torch 2.11's rule (FRONTEND_D256_RULE_SINCE)
+    if not torch_at_least(2, 9):  # torch 2.8's: 128, and 192/128 on sm90/sm10x with cuDNN 9.11
+        supports_d256 = False
+        if sm90_or_sm10x and version >= 91100 and (d_qk, d_v) == (192, 128):
+            limit = 192
+    elif not torch_at_least(*FRONTEND_D256_RULE_SINCE):  # torch 2.11's rule (FRONTEND_D256_RULE_SINCE)
         supports_d256 = False
         if version >= 91000 and major == 9:
             limit = 256

@@ -88,9 +88,9 @@ CUDA_AUTOCAST_OPS: dict[str, str] = {
     "binary_cross_entropy": "banned",
 }
 if not torch_at_least(2, 13):
-    # torch 2.11's autocast_mode.h (its include/ATen/autocast_mode.h): rms_norm is on no list; the
-    # Dimname overloads are (AT_FORALL_FP32_SET_OPT_DTYPE, and norm.names_ScalarOpt_dim in
-    # AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE). 2.12 is taken to be 2.11's (not checked).
+    # torch 2.8's and 2.11's autocast_mode.h (their include/ATen/autocast_mode.h): rms_norm is on no
+    # list; the Dimname overloads are (AT_FORALL_FP32_SET_OPT_DTYPE, and norm.names_ScalarOpt_dim in
+    # AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE). 2.9, 2.10 and 2.12 are taken to be the same (not checked).
     del CUDA_AUTOCAST_OPS["rms_norm"]
     _DIMNAME_SET_OPT_DTYPE = ("prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname",
                               "cumsum.dimname", "sum.dim_DimnameList")  # fmt: skip

@@ -178,9 +178,9 @@ class CudaKernels:
     ``gpu``: the GPU whose choices to follow (a name, a compute capability, a
     :class:`memlab._gpus.GPU`; ``None``: the GPU in use, else :data:`memlab._gpus.DEFAULT_GPU`).
     Attention picks its kernel by the GPU's compute capability (:mod:`memlab.estimate.attention`:
-    cuDNN attention first on sm90/sm100 for float16/bfloat16, flash on sm80 and newer, memory-
-    efficient, math), with the cuDNN version of :data:`~memlab.estimate.attention.ASSUMED_CUDNN_VERSION`
-    where PyTorch has no cuDNN to ask.
+    cuDNN attention first on sm90/sm100 for float16/bfloat16 from torch 2.9, flash on sm80 and
+    newer, memory-efficient, math), with the cuDNN version of
+    :data:`~memlab.estimate.attention.ASSUMED_CUDNN_VERSION` where PyTorch has no cuDNN to ask.
 
     Mixed precision: inside ``torch.autocast("cuda", dtype)`` a data-free run casts as CUDA's
     autocast does (:class:`memlab.estimate.autocast.CudaAutocast`: CUDA's op lists, the weight-cast

@@ -245,7 +245,10 @@ class RecordBuilder:
         except Exception:  # a subclass that refuses to be flattened: list it, size unknown
             found = [(top, top_name)]
         for tensor, name in found:
-            dtype = str(tensor.dtype).removeprefix("torch.")
+            try:
+                dtype = str(tensor.dtype).removeprefix("torch.")
+            except RuntimeError:  # an undefined tensor ("unsupported scalarType", torch 2.8): no memory
+                continue
             try:
                 shape: tuple[int | str, ...] | None = tuple(
                     d if isinstance(d, int) else str(d) for d in tensor.shape

@@ -119,12 +119,15 @@ class TrackerDeviceMemory:
             self._workspaces = CublasWorkspaces(self.gpu)  # type: ignore[arg-type]
         return self._workspaces
 
-    def _allocate_workspace(self, device: torch.device, nbytes: int) -> None:
+    def _allocate_workspace(self, device: torch.device, nbytes: int, transient: bool = False) -> None:
         """Allocate a cuBLAS workspace of ``nbytes`` on ``device``'s allocator, for good (category
-        ``workspace``); an out-of-memory error names an empty storage on ``device`` to the observers."""
+        ``workspace``), or with ``transient`` for one call (freed at once: torch 2.8's cuBLASLt);
+        an out-of-memory error names an empty storage on ``device`` to the observers."""
         allocator, handle = self._malloc(device, nbytes, None)
         if handle is not None and allocator.history is not None:
             allocator.history.set_category(allocator._extent(handle)[0], categories.WORKSPACE)
+        if transient and handle is not None:
+            allocator.free(handle)
 
     def _resize(self, ref: StorageRef, storage: torch.UntypedStorage) -> None:
         # resize_bytes_cuda: to 0 bytes it frees the block; to any other size it allocates the new

@@ -16,6 +16,15 @@ shares the cuBLAS workspace by default changed in 2.12: :data:`UNIFIED_BY_DEFAUL
 A tracker that models a GPU for tensors that are not on one (a CPU or ``meta`` run, or an estimate's
 fake tensors) allocates these workspaces in its allocator model; on a real GPU the real allocator
 holds them and the tracker does not invent them.
+
+Under torch 2.8 (read from its ``libtorch_cuda.so``: 2.8 has no ``getCUDABlasLtWorkspace`` nor
+``cublaslt_handle_stream_to_workspace``; ``CUDABlas.cpp``'s ``CublasLtWorkspace``): cuBLASLt has no
+workspace per handle. Each cuBLASLt call allocates its own (1 MiB unless ``CUBLASLT_WORKSPACE_SIZE``)
+through the caching allocator and frees it when the call returns; only
+``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` makes it use the cuBLAS workspace (``check_env(...) == true``:
+unset is not unified). Its handle is the cuBLAS handle (``getCurrentCUDABlasLtHandle`` calls
+``getCurrentCUDABlasHandle``, which gives the (handle, stream) its cuBLAS workspace), and the default
+cuBLAS workspace is 32 MiB on sm90 only (``parseChosenWorkspaceSize``: ``major == 9 && minor == 0``).
 """
 
 from __future__ import annotations
@@ -116,6 +125,8 @@ _MATRIX_ARGS = {
 _LT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CONFIG = re.compile(r":([0-9]+):([0-9]+)")  # CublasHandlePool.cpp: parseChosenWorkspaceSize's regex
 _STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")  # what std::stoi reads of a string's start
+#: torch 2.8's cuBLASLt workspaces: one per call, freed when the call returns (see the module docstring).
+_LT_PER_CALL = not torch_at_least(2, 9)
 _CONVOLUTION_CAVEAT = (
     "{ops} ran: on CUDA, cuDNN allocates a workspace through the caching allocator for each "
     "convolution call (forward and backward) and frees it when the call returns; its size depends on "
@@ -128,8 +139,9 @@ _CONVOLUTION_CAVEAT = (
 def default_cublas_workspace_size(gpu: GPU) -> int:
     """The cuBLAS workspace per handle and stream without ``CUBLAS_WORKSPACE_CONFIG``, in bytes:
     32 MiB (``:4096:8``) on compute capability 9.x, 10.x and 12.x (Hopper, Blackwell), else
-    ``:4096:2:16:8`` = 8,519,680 B (``CublasHandlePool.cpp``: ``parseChosenWorkspaceSize``)."""
-    if gpu.capability[0] in (9, 10, 12):
+    ``:4096:2:16:8`` = 8,519,680 B (``CublasHandlePool.cpp``: ``parseChosenWorkspaceSize``). Under
+    torch 2.8 32 MiB on compute capability 9.0 only (its ``parseChosenWorkspaceSize``)."""
+    if gpu.capability[0] in (9, 10, 12) if torch_at_least(2, 9) else gpu.capability == (9, 0):
         return 4096 * 8 * _KiB
     return 4096 * _KiB * 2 + 16 * _KiB * 8
 
@@ -185,7 +197,7 @@ def unified_workspaces(value: str | None, default: bool | None = None) -> bool:
     ``value`` (``None``: unset), as PyTorch reads it outside fbcode (``c10::utils::check_env``: only
     ``"0"`` and ``"1"`` are valid; another value warns as PyTorch does and counts as unset). Unset
     gives ``default``, which is the installed torch's when ``None``: shared from torch 2.12 on, cuBLASLt's
-    own on 2.11 (:data:`UNIFIED_BY_DEFAULT_SINCE`)."""
+    own before (:data:`UNIFIED_BY_DEFAULT_SINCE`)."""
     if default is None:
         default = _unified_by_default()
     if value in ("0", "1"):
@@ -206,15 +218,20 @@ def cublaslt_workspace_size(value: str | None, unified: bool, cublas: int, chose
     it: default ``chosen_default`` (the cuBLAS size parsed from the environment) when ``unified``,
     else 1 MiB; the value read by ``std::stoi`` (leading blanks and a sign, then digits; a value it
     cannot read, or one beyond ``int``, warns and keeps the default; a negative one wraps as
-    ``size_t``); when ``unified``, at most ``cublas``, the workspace it shares."""
-    kib = chosen_default // _KiB if unified else 1024
+    ``size_t``); when ``unified``, at most ``cublas``, the workspace it shares. Under torch 2.8 the
+    default is 1 MiB unified or not, and an unreadable value warns "invalid CUBLASLT_WORKSPACE_SIZE"
+    (its ``CUDABlas.cpp``: ``_parseChosenWorkspaceSize``)."""
+    kib = chosen_default // _KiB if unified and torch_at_least(2, 9) else 1024
     if value is not None:
         match = _STOI.match(value)
         read = None if match is None else int(match.group(1))
         if read is None or not -_INT_MAX - 1 <= read <= _INT_MAX:
             what = "invalid" if read is None else "out of range"
+            name = f"CUBLASLT_WORKSPACE_SIZE {what}"
+            if read is None and not torch_at_least(2, 9):
+                name = "invalid CUBLASLT_WORKSPACE_SIZE"
             warnings.warn(
-                f"CUBLASLT_WORKSPACE_SIZE {what}, using default workspace size of {kib} KiB.",
+                f"{name}, using default workspace size of {kib} KiB.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -248,6 +265,9 @@ def workspace_sizes(gpu: GPU, environ: Mapping[str, str] | None = None) -> Works
     lt_kib = env.get("CUBLASLT_WORKSPACE_SIZE")
     if _unified_by_default():
         unified = unified_workspaces(flag, default=True)
+        return WorkspaceSizes(cublas, cublaslt_workspace_size(lt_kib, unified, cublas, cublas), unified)
+    if _LT_PER_CALL:  # torch 2.8 (CUDABlas.cpp): shared only with "1"; else 1 MiB, not capped
+        unified = flag == "1"
         return WorkspaceSizes(cublas, cublaslt_workspace_size(lt_kib, unified, cublas, cublas), unified)
     # torch 2.11: the size capped unless the flag is "0", the workspace shared only when it is "1"
     capped = unified_workspaces(flag, default=True)
@@ -301,7 +321,9 @@ class CublasWorkspaces:
     (``getCUDABlasLtWorkspace``'s unified branch: ``getNewWorkspace``); with
     ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (or unset on 2.11) it takes the cuBLAS workspace of its
     key (its handle is the cuBLAS handle) and allocates its own of ``sizes.cublaslt`` bytes (none
-    when that is 0). Which ops run through cuBLASLt:
+    when that is 0). Under torch 2.8 that own workspace is for the call only (``allocate(device,
+    nbytes, transient=True)``: allocated and freed at once, after the op's outputs). Which ops run
+    through cuBLASLt:
     :data:`CUBLASLT_OPS`; ``addmm`` and ``_addmm_activation`` whose bias can be fused (``Blas.cpp``:
     ``isInputCompliesAddmmCudaLt``, unless ``DISABLE_ADDMM_CUDA_LT=1``); other float matmuls when
     ``torch.backends.cuda.preferred_blas_library()`` is cuBLASLt. An op whose operands are empty
@@ -335,7 +357,7 @@ class CublasWorkspaces:
         func: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
-        allocate: Callable[[torch.device, int], None],
+        allocate: Callable[..., None],
     ) -> None:
         """Allocate, through ``allocate(device, nbytes)``, the workspace ``func(*args, **kwargs)``
         takes on a GPU when its key has none yet; note a convolution."""
@@ -355,22 +377,35 @@ class CublasWorkspaces:
         # does not share it, its own: on an H100 with torch 2.11 a Linear with bias as the first
         # matmul allocated 32 MiB and 1 MiB (benchmarks/gpu_fidelity.py, mlp).
         own_lt = not self.sizes.unified and self._uses_lt(packet, name, args, kwargs)
+        where = self._where(tensors[0])
+        self._take(("cublas", *where), allocate)
+        if own_lt and _LT_PER_CALL:  # torch 2.8: cuBLASLt's workspace for this call only
+            allocate(where[0], self.sizes.cublaslt, transient=True)
+        elif own_lt:
+            self._take(("cublaslt", *where), allocate)
+
+    @staticmethod
+    def _where(tensor: torch.Tensor) -> tuple[torch.device, int, str | int]:
+        """The (device, stream, handle) of an op on ``tensor``."""
         # The tracker's device: its storage's (a fake tensor's is meta; a DTensor's, its local shard's).
-        storages = storages_of(tensors[0])
-        device = storages[0].device if storages else tensors[0].device
-        for pool in ("cublas", "cublaslt") if own_lt else ("cublas",):
-            key = (pool, device, _stream(tensors[0].device), _handle())
-            if key in self.keys:
-                continue
-            nbytes = self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas
-            if self._present.get((pool, device), 0) > 0:
-                self._present[(pool, device)] -= 1
-            else:
-                # a workspace that runs out of memory is not kept: the next op asks again, as
-                # PyTorch's map of workspaces gets its entry only once getNewWorkspace() returned
-                allocate(device, nbytes)
-            self.keys.append(key)
-            self.nbytes.append(nbytes)
+        storages = storages_of(tensor)
+        device = storages[0].device if storages else tensor.device
+        return device, _stream(tensor.device), _handle()
+
+    def _take(self, key: tuple[str, torch.device, int, str | int], allocate: Callable[..., None]) -> None:
+        """Give ``key`` (pool, device, stream, handle) its workspace unless it has one."""
+        if key in self.keys:
+            return
+        pool, device = key[0], key[1]
+        nbytes = self.sizes.cublaslt if pool == "cublaslt" else self.sizes.cublas
+        if self._present.get((pool, device), 0) > 0:
+            self._present[(pool, device)] -= 1
+        else:
+            # a workspace that runs out of memory is not kept: the next op asks again, as PyTorch's
+            # map of workspaces gets its entry only once getNewWorkspace() returned
+            allocate(device, nbytes)
+        self.keys.append(key)
+        self.nbytes.append(nbytes)
 
     def caveats(self) -> list[str]:
         """One sentence naming the cuDNN convolution workspaces the run would have, if it had any."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 
@@ -31,6 +32,36 @@ def a_cpu_build(monkeypatch):
 SM80, SM86, SM89, SM90, SM100 = (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)
 
 
+# sdp_utils.cpp puts cuDNN first on an H100 or B200 from torch 2.9 (check_prefer_cudnn_attention,
+# with cuDNN newer than 9.15.0 from 2.10); torch 2.8 never does (attention.prefers_cudnn says why).
+# The H100/B200 rows below follow that order: where the installed torch (or its loaded cuDNN)
+# keeps the default order there, cudnn_first() sets it as a user does, so the cuDNN rules are
+# checked on every torch; test_the_default_order_on_an_h100_follows_the_torch_release checks the
+# default itself. The cuDNN version as sdp_utils.cpp reads it: the loaded one on a CUDA build.
+LOADED_CUDNN = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+CUDNN_VERSION = LOADED_CUDNN or (91501 if torch_at_least(2, 9) else 91002)
+H100_PREFERS_CUDNN = torch_at_least(2, 9) and CUDNN_VERSION > 91500
+#: cuDNN attention takes head dims up to 256 on sm9x in torch 2.9-2.12 (2.11's sdp_utils.cpp); 2.8's
+#: and 2.13's keep it to 128 (192/128) with this cuDNN
+D256_ON_SM9X = torch_at_least(2, 9) and not torch_at_least(2, 13)
+CUDNN_ORDER = [3, 1, 2, 0]  # at::SDPBackend: cudnn, flash, efficient, math (sdp_utils.cpp's cudnn_order)
+
+
+@contextlib.contextmanager
+def cudnn_first(capability: tuple[int, int]):
+    """Run with sdp_utils.cpp's cuDNN-first order on sm90/sm100 where PyTorch does not set it."""
+    previous = torch._C._get_sdp_priority_order()
+    default = previous[:4] == [1, 2, 0, 3]  # a test that set its own order keeps it
+    if capability not in (SM90, SM100) or H100_PREFERS_CUDNN or not default:
+        yield
+        return
+    torch._C._set_sdp_priority_order(CUDNN_ORDER)
+    try:
+        yield
+    finally:
+        torch._C._set_sdp_priority_order(previous)
+
+
 def blocks(nbytes: int) -> int:
     return math.ceil(nbytes / BLOCK) * BLOCK
 
@@ -49,12 +80,14 @@ def choose(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     grad: bool = False,
+    default_order: bool = False,
 ) -> str:
     lq, lk = lengths
     q, k = meta(2, 4, lq, head, dtype=dtype, grad=grad), meta(2, 4, lk, head, dtype=dtype, grad=grad)
     v = meta(2, 4, lk, value_head or head, dtype=dtype, grad=grad)
     attn_mask = meta(*mask, dtype=torch.bool) if mask else None
-    return select_backend(q, k, v, attn_mask, dropout_p, is_causal, capability=capability)
+    with contextlib.nullcontext() if default_order else cudnn_first(capability):
+        return select_backend(q, k, v, attn_mask, dropout_p, is_causal, capability=capability)
 
 
 # -- the choice ----------------------------------------------------------------------------------
@@ -71,18 +104,19 @@ def choose(
         (SM80, {"dtype": torch.float32, "head": 6}, "math"),  # efficient: head dim % 4 for float32
         (SM80, {"head": 12, "mask": (128, 128)}, "math"),  # efficient: head dim % 8 for bfloat16
         (SM80, {"dtype": torch.float64}, "math"),
-        # sm90 (H100) with cuDNN > 9.15.0: cuDNN first (check_prefer_cudnn_attention)
+        # sm90 (H100) with cuDNN first (see cudnn_first)
         (SM90, {}, "cudnn"),
         (SM90, {"dtype": torch.float16, "mask": (128, 128)}, "cudnn"),  # a 2-D mask fits cuDNN
         (SM90, {"mask": (2, 128, 128)}, "efficient"),  # check_attn_mask_shape: 2-D or 4-D only
         (SM90, {"dtype": torch.float32}, "efficient"),  # check_dtypes_low_precision
         (SM90, {"head": 6}, "flash"),  # check_cudnn_tensor_shapes: head dim % 8
-        # head dim <= 128 with this cuDNN from torch 2.13 on; <= 256 on sm9x before (torch 2.11)
-        (SM90, {"head": 160}, "flash" if torch_at_least(2, 13) else "cudnn"),
-        (SM90, {"head": 256, "grad": True}, "flash" if torch_at_least(2, 13) else "cudnn"),
+        # head dim <= 256 on sm9x in torch 2.9-2.12 (2.11), <= 128 (192/128) in 2.8 and from 2.13 on
+        (SM90, {"head": 160}, "cudnn" if D256_ON_SM9X else "flash"),
+        (SM90, {"head": 256, "grad": True}, "cudnn" if D256_ON_SM9X else "flash"),
         (SM90, {"head": 264}, "efficient"),  # above 256: neither cuDNN nor flash
         (SM100, {"head": 160}, "flash"),  # 256 is sm9x's alone before 2.13
-        (SM90, {"head": 192, "value_head": 128}, "cudnn"),  # ... but 192/128 on sm90 (cuDNN >= 9.11)
+        # ... but 192/128 on sm90 with cuDNN >= 9.11 (torch 2.8 ships 9.10.2: efficient takes it)
+        (SM90, {"head": 192, "value_head": 128}, "cudnn" if CUDNN_VERSION >= 91100 else "efficient"),
         (SM80, {"head": 192, "value_head": 128}, "efficient"),  # flash needs equal head dims
         (SM90, {"dropout_p": 0.1}, "flash"),  # check_cudnn_dropout: multiples of 1/16
         (SM90, {"dropout_p": 0.125}, "cudnn"),
@@ -124,11 +158,23 @@ def test_disabled_backends_are_skipped():
 
 
 def test_priority_order_prefers_cudnn_only_where_sdp_utils_does():
-    assert priority_order(SM80) == ["flash", "efficient", "math", "cudnn", "overrideable"]
-    assert priority_order(SM90) == ["cudnn", "flash", "efficient", "math", "overrideable"]
+    # Context.h's order; torch 2.8 has no overrideable in it (its fifth entry reads 0, math again)
+    default = ["flash", "efficient", "math", "cudnn"]
+    if 4 in torch._C._get_sdp_priority_order():
+        default.append("overrideable")
+    cudnn = ["cudnn", "flash", "efficient", "math", *default[4:]]
+    assert priority_order(SM80) == default
+    assert priority_order(SM90) == (cudnn if H100_PREFERS_CUDNN else default)
     assert [prefers_cudnn(gpu.capability) for gpu in GPUS.values()] == [
-        gpu.capability[0] in (9, 10) for gpu in GPUS.values()
+        H100_PREFERS_CUDNN and gpu.capability[0] in (9, 10) for gpu in GPUS.values()
     ]
+
+
+def test_the_default_order_on_an_h100_follows_the_torch_release():
+    # torch 2.8: flash, efficient, math, cuDNN on every GPU (cuDNN attention opt-in); 2.9 on: cuDNN
+    # first on sm90/sm100 with a cuDNN newer than 9.15.0
+    assert choose(SM90, default_order=True) == ("cudnn" if H100_PREFERS_CUDNN else "flash")
+    assert choose(SM80, default_order=True) == "flash"
 
 
 def test_a_priority_order_the_user_set_is_kept():
@@ -140,26 +186,23 @@ def test_a_priority_order_the_user_set_is_kept():
 
 
 def test_cudnn_preference_follows_the_cudnn_and_cuda_versions(monkeypatch):
-    monkeypatch.setattr(attention, "ASSUMED_CUDNN_VERSION", 91500)  # 9.15.0: not newer than 9.15.0
+    # the cuDNN and CUDA that sdp_utils.cpp reads, whether this torch loads them or not
+    monkeypatch.setattr(attention, "cudnn_version", lambda: 91500)  # 9.15.0: not newer than 9.15.0
+    monkeypatch.setattr(attention, "_cuda_major", lambda: 13)
     assert not prefers_cudnn(SM90)
-    assert choose(SM90) == "flash"
-    monkeypatch.setattr(attention, "ASSUMED_CUDNN_VERSION", 91501)
-    assert prefers_cudnn((10, 1))
-    monkeypatch.setattr(attention, "ASSUMED_CUDA_MAJOR", 12)  # CUDA 12: minor 0 or 3 only
-    assert [prefers_cudnn(c) for c in [(9, 0), (10, 0), (10, 1), (10, 3), (12, 0)]] == [
-        True,
-        True,
-        False,
-        True,
-        False,
-    ]
+    assert choose(SM90, default_order=True) == "flash"
+    monkeypatch.setattr(attention, "cudnn_version", lambda: 91501)
+    assert prefers_cudnn((10, 1)) == torch_at_least(2, 9)  # torch 2.8: never (see prefers_cudnn)
+    monkeypatch.setattr(attention, "_cuda_major", lambda: 12)  # CUDA 12: minor 0 or 3 only
+    expected = [True, True, False, True, False] if torch_at_least(2, 9) else [False] * 5
+    assert [prefers_cudnn(c) for c in [(9, 0), (10, 0), (10, 1), (10, 3), (12, 0)]] == expected
 
 
 def test_cudnn_can_be_deprioritized_by_the_environment(monkeypatch):
     monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
-    assert choose(SM90) == "flash"
+    assert choose(SM90, default_order=True) == "flash"
     monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "true")  # c10::utils::check_env reads "1" only
-    assert choose(SM90) == "cudnn"
+    assert choose(SM90, default_order=True) == ("cudnn" if H100_PREFERS_CUDNN else "flash")
 
 
 # -- acceptance: the saved tensors of the chosen backend, byte for byte --------------------------
@@ -174,7 +217,13 @@ def run_attention(gpu: str, masked: bool) -> tuple[str, dict[str, tuple], int]:
     with fake:
         q, k, v = (torch.empty(B, H, L, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         mask = torch.ones(L, L, dtype=torch.bool) if masked else None
-    with fake, memlab.TensorTracker(history=True) as tracker, CudaKernels(gpu=gpu) as kernels:
+    capability = GPUS[gpu].capability
+    with (
+        fake,
+        cudnn_first(capability),
+        memlab.TensorTracker(history=True) as tracker,
+        CudaKernels(gpu=gpu) as kernels,
+    ):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         activation = tracker.by_category()["activation"]
     assert kernels.substituted == {"scaled_dot_product_attention": 1}
@@ -223,7 +272,10 @@ def test_sm90_bfloat16_keeps_what_cudnn_attention_keeps():
     )
     expected = described(**qkv, output=out, logsumexp=stats, philox_seed=seed, philox_offset=offset)
     assert saved == expected
-    assert saved["logsumexp"] == ((B, H, L, 1), torch.float32, B * H * L * 4)
+    # the statistics' shape (_meta_registrations.py: meta__scaled_dot_product_cudnn_attention):
+    # (B, H, L) in torch 2.8, (B, H, L, 1) in 2.11 and 2.13; the same bytes
+    stats_shape = (B, H, L, 1) if torch_at_least(2, 9) else (B, H, L)
+    assert saved["logsumexp"] == (stats_shape, torch.float32, B * H * L * 4)
     assert activation == sum(blocks(t.untyped_storage().nbytes()) for t in (out, stats, seed, offset))
     assert activation == 102400 + 3584 + 512 + 512
 
@@ -295,7 +347,8 @@ def choose_gqa(
         meta(2, hv, 128, 64, dtype=dtype),
     )
     attn_mask = meta(128, 128, dtype=torch.bool) if mask else None
-    return select_backend(q, k, v, attn_mask, capability=capability, enable_gqa=enable_gqa)
+    with cudnn_first(capability):
+        return select_backend(q, k, v, attn_mask, capability=capability, enable_gqa=enable_gqa)
 
 
 @pytest.mark.parametrize(
@@ -344,7 +397,13 @@ def run_gqa(gpu: str, repeat_kv: bool = False) -> dict:
         q = torch.empty(B, HQ, GL, D, dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.empty(B, HKV, GL, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         grad_out = torch.empty(B, HQ, GL, D, dtype=torch.bfloat16)
-    with fake, memlab.TensorTracker(history=True) as tracker, CudaKernels(gpu=gpu) as kernels:
+    capability = GPUS[gpu].capability
+    with (
+        fake,
+        cudnn_first(capability),
+        memlab.TensorTracker(history=True) as tracker,
+        CudaKernels(gpu=gpu) as kernels,
+    ):
         if repeat_kv:
             key, value = (
                 t[:, :, None].expand(B, HKV, HQ // HKV, GL, D).reshape(B, HQ, GL, D) for t in (k, v)

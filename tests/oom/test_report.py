@@ -142,6 +142,7 @@ def test_the_report_names_the_module_running_and_the_one_holding_the_most_activa
 ):
     # sized for the tensors alone: no cuBLAS workspace (PyTorch reads ":0:0" as 0 bytes)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "0")  # torch 2.8: cuBLASLt's own, per call
     report = _mlp_oom(capacity)
     assert (report.module, report.activations) == (running, holding)
     lines = report.text().splitlines()
@@ -241,6 +242,7 @@ class Loop:
 
 def test_a_hugging_face_oom_names_parameters_and_outputs_and_points_at_the_users_lines(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # sized for the tensors alone
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "0")  # torch 2.8: cuBLASLt's own, per call
     torch.manual_seed(0)
     with memlab.TensorTracker(capacity=int(3.5 * MIB), history=True):
         loop = Loop()
@@ -306,6 +308,7 @@ def test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell
     from transformers import GPT2Config, GPT2LMHeadModel
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "0")  # torch 2.8: cuBLASLt's own, per call
     torch.manual_seed(0)
     watched = memlab.explain_oom(hf_step, stream=io.StringIO(), remedies=False)
     with memlab.TensorTracker(capacity=3968 * 1024, history=True):
@@ -317,7 +320,7 @@ def test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell
     lines = memlab.oom.last_report().text().splitlines()
     here, first = shown_path(__file__), hf_step.__code__.co_firstlineno
     made = test_optimizer_state_of_a_tied_hugging_face_weight_keeps_the_names_that_tell_it_apart
-    made = made.__code__.co_firstlineno + 10  # model = GPT2LMHeadModel(config)
+    made = made.__code__.co_firstlineno + 11  # model = GPT2LMHeadModel(config)
     assert lines[:2] == [
         f"memlab: out of memory (OutOfMemoryError) at {here}:{first + 3} in hf_step",
         f"  {first + 3:>5} | optimizer.step()",

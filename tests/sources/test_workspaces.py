@@ -4,7 +4,9 @@ Sizes follow ``aten/src/ATen/cuda/CublasHandlePool.cpp`` of torch 2.13: ``parseC
 (``:4096:8`` = 32 MiB on sm90/sm100/sm120, else ``:4096:2:16:8`` = 8,519,680 B; every ``:SIZE:COUNT``
 of ``CUBLAS_WORKSPACE_CONFIG`` adds SIZE KiB x COUNT), ``parseCUDABlasLtWorkspaceSize`` and
 ``unified_cublas_and_lt_workspaces``; a workspace is allocated per (handle, stream), a handle per
-thread and device (``DeviceThreadHandlePool::reserve``).
+thread and device (``DeviceThreadHandlePool::reserve``). Under torch 2.8 (its ``libtorch_cuda.so``,
+see memlab.sources.workspaces): 32 MiB on sm90 only, cuBLASLt unified only with
+``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``, and its own workspace (1 MiB) allocated for each call.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from memlab.sources.workspaces import (
 MiB = 2**20
 H100_WORKSPACE = 4096 * 8 * 1024  # :4096:8
 A100_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # :4096:2:16:8
+TORCH_2_8 = not torch_at_least(2, 9)  # torch 2.8's CublasHandlePool.cpp / CUDABlas.cpp
 ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE")
 
 
@@ -42,9 +45,16 @@ def clean_environment(monkeypatch):
 # -- sizes --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("gpu", "size"),
-    [("H100", H100_WORKSPACE), ("B200", H100_WORKSPACE), ("sm120", H100_WORKSPACE), ("A100", 8_519_680),
-     ("L4", 8_519_680), ("V100", 8_519_680), ("T4", 8_519_680)],
-)  # fmt: skip
+    [
+        ("H100", H100_WORKSPACE),  # torch 2.8: 32 MiB on sm90 only
+        ("B200", A100_WORKSPACE if TORCH_2_8 else H100_WORKSPACE),
+        ("sm120", A100_WORKSPACE if TORCH_2_8 else H100_WORKSPACE),
+        ("A100", 8_519_680),
+        ("L4", 8_519_680),
+        ("V100", 8_519_680),
+        ("T4", 8_519_680),
+    ],
+)
 def test_the_default_workspace_is_32_mib_on_hopper_and_blackwell_else_4096_2_16_8(gpu, size):
     assert default_cublas_workspace_size(resolve_gpu(gpu)) == size
     assert A100_WORKSPACE == 8_519_680
@@ -116,7 +126,7 @@ def test_cublaslt_workspace_size_is_kib_read_by_stoi_capped_by_the_cublas_one_wh
             value, unified=unified, cublas=A100_WORKSPACE, chosen_default=A100_WORKSPACE
         )
 
-    assert lt(None, unified=True) == A100_WORKSPACE
+    assert lt(None, unified=True) == (MiB if TORCH_2_8 else A100_WORKSPACE)  # 2.8: 1 MiB default
     assert lt(None, unified=False) == MiB
     assert lt(" +512kib", unified=False) == 512 * 1024
     assert lt("65536", unified=False) == 64 * MiB
@@ -125,8 +135,9 @@ def test_cublaslt_workspace_size_is_kib_read_by_stoi_capped_by_the_cublas_one_wh
     with pytest.warns(UserWarning) as caught:
         assert lt("big", unified=False) == MiB
         assert lt("2147483648", unified=False) == MiB
+    invalid = "invalid CUBLASLT_WORKSPACE_SIZE" if TORCH_2_8 else "CUBLASLT_WORKSPACE_SIZE invalid"
     assert [str(w.message) for w in caught] == [
-        "CUBLASLT_WORKSPACE_SIZE invalid, using default workspace size of 1024 KiB.",
+        f"{invalid}, using default workspace size of 1024 KiB.",
         "CUBLASLT_WORKSPACE_SIZE out of range, using default workspace size of 1024 KiB.",
     ]
 
@@ -142,8 +153,14 @@ def test_workspace_sizes_reads_the_three_variables_from_the_environment():
     assert workspace_sizes(GPUS["H100"], environ) == sizes(8_388_608, 256 * 1024, True)
 
 
+def as_if(monkeypatch, release: tuple[int, int]) -> None:
+    """Make memlab.sources.workspaces read the rules of torch ``release`` whatever torch is installed."""
+    monkeypatch.setattr(workspaces, "torch_at_least", lambda *version: version <= release)
+    monkeypatch.setattr(workspaces, "_LT_PER_CALL", release < (2, 9))
+
+
 def test_from_torch_2_12_cublaslt_defaults_to_the_cublas_size_and_shares_it(monkeypatch):
-    monkeypatch.setattr(workspaces, "_unified_by_default", lambda: True)
+    as_if(monkeypatch, (2, 12))
     sizes = workspaces.WorkspaceSizes
     assert workspace_sizes(GPUS["A100"], {}) == sizes(A100_WORKSPACE, A100_WORKSPACE, True)
     assert workspace_sizes(GPUS["H100"], {}) == sizes(H100_WORKSPACE, H100_WORKSPACE, True)
@@ -152,7 +169,7 @@ def test_from_torch_2_12_cublaslt_defaults_to_the_cublas_size_and_shares_it(monk
 
 
 def test_on_torch_2_11_cublaslt_has_its_own_1_mib_capped_by_cublas_unless_the_flag_is_0(monkeypatch):
-    monkeypatch.setattr(workspaces, "_unified_by_default", lambda: False)
+    as_if(monkeypatch, (2, 11))
     sizes = workspaces.WorkspaceSizes
     assert workspace_sizes(GPUS["A100"], {}) == sizes(A100_WORKSPACE, MiB, False)
     assert workspace_sizes(GPUS["H100"], {}) == sizes(H100_WORKSPACE, MiB, False)
@@ -162,6 +179,18 @@ def test_on_torch_2_11_cublaslt_has_its_own_1_mib_capped_by_cublas_unless_the_fl
     small["TORCH_CUBLASLT_UNIFIED_WORKSPACE"] = "0"
     assert workspace_sizes(GPUS["H100"], small) == sizes(131_072, 4 * MiB, False)
     assert workspace_sizes(GPUS["H100"], {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}) == sizes(0, 0, False)
+
+
+def test_on_torch_2_8_cublaslt_has_1_mib_per_call_not_capped_and_shares_only_with_the_flag_1(monkeypatch):
+    as_if(monkeypatch, (2, 8))
+    sizes = workspaces.WorkspaceSizes
+    assert workspace_sizes(GPUS["H100"], {}) == sizes(H100_WORKSPACE, MiB, False)
+    small = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "4096"}
+    assert workspace_sizes(GPUS["H100"], small) == sizes(131_072, 4 * MiB, False)
+    # CUBLAS_WORKSPACE_CONFIG=:0:0 alone leaves cuBLASLt's 1 MiB per call (its CUDABlas.cpp)
+    assert workspace_sizes(GPUS["H100"], {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}) == sizes(0, MiB, False)
+    shared = {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}
+    assert workspace_sizes(GPUS["H100"], shared) == sizes(H100_WORKSPACE, MiB, True)  # 1 MiB of it
 
 
 # -- where a tracker allocates them -------------------------------------------------------------------
@@ -331,11 +360,16 @@ def test_with_unified_workspaces_off_cublaslt_allocates_its_own(monkeypatch):
     x = torch.randn(8, 16)
     with memlab.TensorTracker(gpu="A100", history=True) as tracker:
         y = layer(x)
-        # its handle is the cuBLAS handle, with the cuBLAS workspace; then cuBLASLt's own
-        assert tracker.by_category()["workspace"] == A100_WORKSPACE + 2 * MiB
+        if TORCH_2_8:  # the handle's cuBLAS workspace; cuBLASLt's own only while the call runs
+            assert tracker.by_category()["workspace"] == A100_WORKSPACE
+            assert tracker.memory_stats()["allocated_bytes.all.peak"] == 512 + A100_WORKSPACE + 2 * MiB
+        else:  # its handle is the cuBLAS handle, with the cuBLAS workspace; then cuBLASLt's own
+            assert tracker.by_category()["workspace"] == A100_WORKSPACE + 2 * MiB
         z = x @ layer.weight  # mm: cuBLAS, whose workspace this thread has
-    assert tracker.by_category()["workspace"] == A100_WORKSPACE + 2 * MiB
-    assert [key[0] for key in tracker.workspaces.keys] == ["cublas", "cublaslt"]
+    assert tracker.by_category()["workspace"] == A100_WORKSPACE + (0 if TORCH_2_8 else 2 * MiB)
+    assert [key[0] for key in tracker.workspaces.keys] == (
+        ["cublas"] if TORCH_2_8 else ["cublas", "cublaslt"]
+    )
     del y, z
 
 
@@ -356,15 +390,14 @@ def test_a_bias_linear_on_the_default_environment_takes_the_releases_workspaces(
     # 1,048,576 B cuBLASLt workspace of its own; from 2.12 on cuBLASLt shares the cuBLAS one
     layer = torch.nn.Linear(16, 16)
     x = torch.randn(8, 16)
-    lt = 0 if torch_at_least(2, 12) else MiB
+    # (torch 2.8: cuBLASLt's 1 MiB only while each call runs)
+    lt = MiB if torch_at_least(2, 9) and not torch_at_least(2, 12) else 0
     with memlab.TensorTracker(gpu="H100", history=True) as tracker:
         y = layer(x)
         assert tracker.by_category()["workspace"] == H100_WORKSPACE + lt
         z = x @ layer.weight
     assert tracker.by_category()["workspace"] == H100_WORKSPACE + lt
-    assert [key[0] for key in tracker.workspaces.keys] == (
-        ["cublas"] if torch_at_least(2, 12) else ["cublas", "cublaslt"]
-    )
+    assert [key[0] for key in tracker.workspaces.keys] == (["cublas", "cublaslt"] if lt else ["cublas"])
     del y, z
 
 
@@ -445,9 +478,12 @@ def test_inference_mode_takes_the_workspace_as_no_grad_does():
     # Under inference mode aten.linear reaches the tracker whole (autograd, which decomposes it into
     # t and addmm, is skipped); the tracker decomposes it and sees the addmm that takes the handle.
     # Peak: the first Linear's output (32x256 float32 = 32,768 B), the workspace, and ReLU's output.
-    # The bias addmm runs through cuBLASLt: the cuBLAS workspace it shares from torch 2.12 on; on 2.11
-    # the cuBLAS workspace of its handle and 1 MiB of its own.
-    workspace = H100_WORKSPACE if torch_at_least(2, 12) else H100_WORKSPACE + MiB
-    expected = 32_768 + workspace + 32_768
+    # The bias addmm runs through cuBLASLt: the cuBLAS workspace it shares from torch 2.12 on; on
+    # 2.9-2.11 the cuBLAS workspace of its handle and 1 MiB of its own; on 2.8 the cuBLAS workspace,
+    # and at the second Linear's cuBLASLt call, with ReLU's output, its own output (32x64 float32 =
+    # 8,192 B) and the 1 MiB cuBLASLt workspace of the call.
+    own = MiB if torch_at_least(2, 9) and not torch_at_least(2, 12) else 0
+    workspace = H100_WORKSPACE + own
+    expected = 32_768 + workspace + (8_192 + MiB if TORCH_2_8 else 32_768)
     assert mlp_forward_peak(torch.no_grad) == (expected, 8_192 + workspace, workspace)
     assert mlp_forward_peak(torch.inference_mode) == (expected, 8_192 + workspace, workspace)
