@@ -19,7 +19,7 @@ import torch
 from memlab._gpus import GPU, GPUS, resolve_gpu
 from memlab._progress import Progress
 from memlab._units import format_size, parse_size
-from memlab.commands._command import CommandError
+from memlab.commands._command import CommandError, whole_number
 from memlab.history import categories
 
 __all__ = ["EstimateCommand"]
@@ -35,15 +35,6 @@ _SHOWN = {
     categories.TEMPORARY: "temporaries",
     categories.WORKSPACE: "workspaces",
 }
-
-
-def _count(minimum: int) -> Any:
-    def check(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number of at least {minimum}, got {text!r}")
-        return int(text)
-
-    return check
 
 
 class EstimateCommand:
@@ -78,14 +69,14 @@ class EstimateCommand:
         parser.add_argument(
             "--batch-size",
             metavar="N",
-            type=_count(1),
+            type=whole_number(1),
             default=1,
             help="sequences (or images) per step and rank (default 1)",
         )
         parser.add_argument(
             "--seq-len",
             metavar="N",
-            type=_count(1),
+            type=whole_number(1),
             help="tokens per sequence (default: the model's longest, from its config)",
         )
         parser.add_argument(
@@ -118,7 +109,7 @@ class EstimateCommand:
         parser.add_argument(
             "--world-size",
             metavar="N",
-            type=_count(1),
+            type=whole_number(1),
             default=1,
             help="ranks of the job, with --fsdp or --ddp; the estimate is one rank's (default 1)",
         )
@@ -130,7 +121,7 @@ class EstimateCommand:
         parser.add_argument(
             "--steps",
             metavar="N",
-            type=_count(1),
+            type=whole_number(1),
             default=1,
             help="training steps in a row; 2 shows the steady state (default 1)",
         )

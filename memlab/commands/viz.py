@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from memlab._outputs import check_output_path, write_text
-from memlab.commands._command import CommandError
+from memlab.commands._command import CommandError, whole_number
 from memlab.history.export import read_snapshot as _read_snapshot
 from memlab.history.page import BANDS, STACKS, memory_page
 
@@ -27,15 +27,6 @@ def read_snapshot(path: str) -> dict[str, Any]:
         return _read_snapshot(path, name="snapshot")
     except (OSError, ValueError) as error:
         raise CommandError(str(error)) from None
-
-
-def _count(minimum: int) -> Any:
-    def check(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number of at least {minimum}, got {text!r}")
-        return int(text)
-
-    return check
 
 
 class VizCommand:
@@ -80,21 +71,21 @@ class VizCommand:
         )
         parser.add_argument(
             "--points",
-            type=_count(16),
+            type=whole_number(16),
             default=2000,
             metavar="N",
             help="draw at most N events, keeping every run's peaks (default 2000; memlab viewer)",
         )
         parser.add_argument(
             "--top",
-            type=_count(1),
+            type=whole_number(1),
             default=20,
             metavar="N",
             help="list the N largest allocations alive at the peak (default 20; memlab viewer)",
         )
         parser.add_argument(
             "--device",
-            type=_count(0),
+            type=whole_number(0),
             metavar="N",
             help="the device whose trace to draw, when the snapshot has several (memlab viewer)",
         )
