@@ -8,6 +8,7 @@ subclasses (``__tensor_flatten__``), and none for tensors that have no storage (
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import weakref
@@ -106,7 +107,12 @@ def disown(tensors: Iterable[torch.Tensor]) -> None:
     DTensor sharding code; they describe a process group that no longer exists), so that a profile
     after the block does not count them as tensors of the user's that existed before profiling."""
     for tensor in tensors:
-        _DISOWNED[id(tensor)] = weakref.ref(tensor, lambda _, key=id(tensor): _DISOWNED.pop(key, None))
+        key = id(tensor)
+        _DISOWNED[key] = weakref.ref(tensor, functools.partial(_forget, key))
+
+
+def _forget(key: int, _: object) -> None:
+    _DISOWNED.pop(key, None)
 
 
 def _disowned() -> tuple[set[int], set[int]]:
