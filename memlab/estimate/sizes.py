@@ -210,6 +210,17 @@ def _sparse_clone(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     )
 
 
+def _cpu_flash_attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    attention, logsumexp = func(*args, **kwargs)
+    return attention, logsumexp.new_empty_strided(logsumexp.shape, logsumexp.stride(), dtype=args[0].dtype)
+
+
+#: The first torch whose meta kernel of ``_scaled_dot_product_flash_attention_for_cpu`` gives the
+#: log-sum-exp the CPU kernel's dtype (``utils.get_computation_dtype(query.dtype)``: float64 for a
+#: float64 query; torch/_meta_registrations.py of 2.13); 2.11's (and 2.8's) say float32 always, where
+#: the CPU kernel (aten/src/ATen/native/transformers/attention.cpp) returns float64 for float64.
+CPU_FLASH_LSE_META_FIXED_SINCE = (2, 13)
+
 _BOTH = ("cpu", "cuda")
 
 #: Each known way a real kernel allocates other storages than its meta kernel, found by comparing
@@ -300,6 +311,21 @@ CORRECTIONS: tuple[Correction, ...] = (
         _sparse_clone,
         when=lambda args: args[0].layout is torch.sparse_coo,
     ),
+) + (
+    ()
+    if torch_at_least(*CPU_FLASH_LSE_META_FIXED_SINCE)
+    else (
+        Correction(
+            "aten._scaled_dot_product_flash_attention_for_cpu",
+            (aten._scaled_dot_product_flash_attention_for_cpu.default,),
+            ("cpu",),
+            "for a float64 query the log-sum-exp is float64; this torch's meta kernel makes it float32 "
+            "(torch 2.13's meta kernel makes it the query's computation dtype)",
+            "aten/src/ATen/native/transformers/attention.cpp: _scaled_dot_product_flash_attention_cpu",
+            _cpu_flash_attention,
+            when=lambda args: args[0].dtype is torch.float64,
+        ),
+    )
 )
 
 _BY_OP = {op: correction for correction in CORRECTIONS for op in correction.ops}
