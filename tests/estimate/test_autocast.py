@@ -8,6 +8,7 @@ lists, ``WrapFunction_``, ``promote_type``), ``torch/amp/autocast_mode.py`` (ent
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ import memlab
 from memlab._torch_version import torch_at_least
 from memlab.estimate.autocast import CUDA_AUTOCAST_OPS
 from memlab.estimate.kernels import CudaKernels
+from memlab.sources import workspaces
 from memlab.sources.select import describe_source
 from memlab.sources.tracker import active_tracker
 from tests.estimate.recording import Record
@@ -27,6 +29,13 @@ BLOCK = 512  # CUDACachingAllocator.cpp round_size: every block a multiple of 51
 # The cuBLAS workspace the first matmul allocates once per handle and stream (CublasHandlePool.cpp,
 # getCurrentCUDABlasHandle / getChosenWorkspaceSize): 32 MiB (":4096:8") on the default GPU, an H100.
 WORKSPACE = 4096 * 1024 * 8
+# torch 2.11's cuBLASLt keeps its own 1 MiB workspace for a bias addmm unless
+# TORCH_CUBLASLT_UNIFIED_WORKSPACE=1; from 2.12 it shares cuBLAS's (memlab.sources.workspaces)
+WORKSPACES = (
+    "1 modelled cuBLAS workspace of the H100: 32.00M"
+    if workspaces.unified_workspaces(os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE"))
+    else "2 modelled cuBLAS/cuBLASLt workspaces of the H100: 33.00M"
+)
 
 
 def meta(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> torch.Tensor:
@@ -460,8 +469,8 @@ def test_a_tracked_cpu_run_says_the_region_ran_in_float32():
                 model(torch.ones(2, 8))
     assert describe_source(tracker, torch.device("cpu")) == (
         "modelled: CUDA caching allocator replayed from cpu tensors (memlab.TensorTracker); tensors made "
-        "before the tracker was entered are not counted; includes 1 modelled cuBLAS workspace of the H100: "
-        "32.00M; torch.autocast('cuda', torch.bfloat16) ran "
+        "before the tracker was entered are not counted; includes "
+        f"{WORKSPACES}; torch.autocast('cuda', torch.bfloat16) ran "
         "disabled, in float32 for float32 inputs (PyTorch without CUDA disables it; on a GPU CUDA's "
         "autocast op lists apply: smaller activations, cast copies of the weights)"
     )
