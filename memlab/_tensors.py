@@ -8,8 +8,10 @@ subclasses (``__tensor_flatten__``), and none for tensors that have no storage (
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import BuiltinFunctionType, CodeType, FrameType, FunctionType, ModuleType
 
@@ -22,6 +24,7 @@ __all__ = [
     "call_roots",
     "check_optimizer",
     "check_tensor",
+    "disown",
     "live_storages",
     "live_tensors",
     "on_device",
@@ -91,9 +94,41 @@ def tensor_classes() -> set[type]:
     return classes
 
 
+#: Tensors that memlab itself left alive and that hold no one's data (see :func:`disown`), by
+#: ``id``, each with a weak reference (the ``id`` of a freed tensor may be reused).
+_DISOWNED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def disown(tensors: Iterable[torch.Tensor]) -> None:
+    """Leave ``tensors`` (and every tensor sharing their storages) out of the tensors and storages
+    found alive from now on, for as long as they live: memlab's own leftovers, never the user's
+    data. :func:`memlab.distributed.fake_group` disowns the rank tables of the device meshes made
+    inside it that are still alive after it (PyTorch keeps references to them, in torch 2.11's C++
+    DTensor sharding code; they describe a process group that no longer exists), so that a profile
+    after the block does not count them as tensors of the user's that existed before profiling."""
+    for tensor in tensors:
+        key = id(tensor)
+        _DISOWNED[key] = weakref.ref(tensor, functools.partial(_forget, key))
+
+
+def _forget(key: int, _: object) -> None:
+    _DISOWNED.pop(key, None)
+
+
+def _disowned() -> tuple[set[int], set[int]]:
+    """The ``id``s of the disowned tensors alive now and the ``_cdata`` of their storages."""
+    tensors, storages = set(), set()
+    for key, ref in list(_DISOWNED.items()):
+        tensor = ref()
+        if tensor is not None:
+            tensors.add(key)
+            storages.add(tensor.untyped_storage()._cdata)
+    return tensors, storages
+
+
 def reachable_tensors() -> list[torch.Tensor]:
     """Every tensor object ``gc`` tracks, any device, in ``gc`` order (weak proxies are skipped:
-    they are not tensors).
+    they are not tensors), except memlab's own leftovers (:func:`disown`).
 
     Tensors whose Python object was never created (a ``.grad`` made by autograd and not yet read,
     the base of a view, autograd's saved tensors) are not among them: see :func:`live_tensors`.
@@ -102,6 +137,9 @@ def reachable_tensors() -> list[torch.Tensor]:
     objects = gc.get_objects()
     found = list(itertools.compress(objects, map(classes.__contains__, map(type, objects))))  # in C
     del objects
+    if _DISOWNED:
+        disowned, _ = _disowned()
+        found = [tensor for tensor in found if id(tensor) not in disowned]
     return found
 
 
@@ -252,11 +290,15 @@ def live_storages(
     """The storages behind :func:`live_tensors` (of ``roots``, if given), keyed by ``id`` of the
     storage object, each once, in the order their first tensor was found; ``device`` keeps only
     storages on that device (``cuda`` without an index: every CUDA device). Storages of zero
-    bytes and storages whose size is symbolic (fake tensors) are left out: they hold no memory."""
+    bytes and storages whose size is symbolic (fake tensors) are left out: they hold no memory;
+    so are memlab's own leftovers (:func:`disown`), also where a view of them is reached."""
     found: dict[int, LiveStorage] = {}
+    disowned = _disowned()[1] if _DISOWNED else set()
     for tensor in live_tensors(roots):
         for storage in storages_of(tensor):
             if device is not None and not on_device(storage.device, device):
+                continue
+            if disowned and storage._cdata in disowned:
                 continue
             entry = found.get(id(storage))
             if entry is None:

@@ -23,12 +23,14 @@ Values are not reduced: a loss all-reduced inside a fake group is this rank's lo
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from memlab._tensors import disown
 from memlab._units import check_count
 from memlab.distributed.objects import FakeCollectiveError, object_collectives
 
@@ -74,6 +76,7 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
             f"before init_process_group or after destroy_process_group"
         )
     _register_backend()
+    before = {id(mesh) for mesh in _live_meshes()}
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         with object_collectives(is_fake):
@@ -81,6 +84,7 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[Any]:
     finally:
         dist.destroy_process_group()
         _forget_meshes()
+        _disown_meshes(before)
 
 
 def _forget_meshes() -> None:
@@ -112,6 +116,35 @@ def _forget_meshes() -> None:
     for clear in clears:
         with contextlib.suppress(Exception):  # private helpers: one that moved or refuses is skipped
             clear()
+
+
+def _live_meshes() -> list[Any]:
+    """The ``DeviceMesh`` objects alive now (none where ``torch.distributed.device_mesh`` was never
+    imported: no mesh can exist)."""
+    module = sys.modules.get("torch.distributed.device_mesh")
+    mesh_class = getattr(module, "DeviceMesh", None)
+    if not isinstance(mesh_class, type):
+        return []
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), mesh_class)]  # no __class__ lookups
+
+
+def _disown_meshes(before: set[int]) -> None:
+    """Disown (:func:`memlab._tensors.disown`) the tensors of the device meshes made inside the
+    group that outlive it (their rank tables: ``_rank_map``, ``mesh``). Clearing the caches
+    (:func:`_forget_meshes`) frees them on torch 2.13; torch 2.11's C++ DTensor sharding code
+    keeps references to the argument tuples of the operator schemas it has seen, which hold
+    ``DTensorSpec`` objects and their meshes, out of reach of any cache clear. They describe a
+    process group that no longer exists and are no one's data: a profile after the block must not
+    count them as the user's tensors that existed before profiling. ``before``: the ``id`` of each
+    mesh alive when the group started (a mesh of the user's from before is left counted)."""
+    gc.collect()  # meshes held only by reference cycles go first
+    for mesh in _live_meshes():
+        if id(mesh) in before:
+            continue
+        held = list(vars(mesh).values())
+        with contextlib.suppress(Exception):  # a property that refuses on a torn-down mesh
+            held.append(mesh.mesh)
+        disown(value for value in held if isinstance(value, torch.Tensor))
 
 
 def standalone_group(rank: int, world_size: int) -> Any:

@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from memlab._tensors import storages_of
+from memlab._torch_version import torch_at_least
 
 __all__ = ["CORRECTIONS", "Correction", "RealSizes"]
 
@@ -159,9 +160,39 @@ def _onednn_workspace_nbytes(signature: tuple[Any, ...]) -> int:
     return out[3].untyped_storage().nbytes()
 
 
+#: The first torch whose meta kernel of ``mkldnn_rnn_layer_backward`` gives the gradients the dtype
+#: and the bias gradient the shape that the CPU kernel gives them (torch/_meta_registrations.py of
+#: 2.13: float32, bias ``[bias_size]``); 2.11's (and 2.8's) give the input's dtype (a bfloat16 LSTM's
+#: gradients counted at half their size) and ``weight2``'s shape. The CPU kernel (RNN.cpp) returns
+#: float32 on both, as measured on 2.11 and 2.13.
+ONEDNN_BACKWARD_META_FIXED_SINCE = (2, 13)
+
+
 def _onednn_lstm_layer_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not torch_at_least(*ONEDNN_BACKWARD_META_FIXED_SINCE):
+        return _onednn_lstm_layer_backward_as_cpu(func, args, kwargs)
     out = func(*args, **kwargs)
     return (*out[:4], out[3].clone(), *out[5:])
+
+
+def _onednn_lstm_layer_backward_as_cpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The CPU kernel's outputs, as torch 2.13's meta kernel makes them (float32 gradients, a bias
+    gradient of ``bias_size``: four gates' for GRU, the first bias's length otherwise), the bias
+    gradient's second copy a clone of its own."""
+    named = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+    # the schema's names: weight1..weight4 are the meta kernel's weight0..weight3
+    hx, cx, bias = named["hx_"], named["cx_tmp"], named["weight3"]
+    bias_size = 4 * named["hidden_size"] if named["mode"] == 3 else bias.shape[0]  # 3: GRU
+    diff_b = bias.new_empty([bias_size], dtype=torch.float)
+    return (
+        named["input"].new_empty(named["input"].shape, dtype=torch.float),
+        named["weight1"].new_empty(named["weight1"].shape, dtype=torch.float),
+        named["weight2"].new_empty(named["weight2"].shape, dtype=torch.float),
+        diff_b,
+        diff_b.clone(),
+        hx.new_empty(hx.shape, dtype=torch.float),
+        cx.new_empty(cx.shape, dtype=torch.float),
+    )
 
 
 def _sparse_clone(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -178,6 +209,17 @@ def _sparse_clone(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         is_coalesced=source.is_coalesced(),
     )
 
+
+def _cpu_flash_attention(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    attention, logsumexp = func(*args, **kwargs)
+    return attention, logsumexp.new_empty_strided(logsumexp.shape, logsumexp.stride(), dtype=args[0].dtype)
+
+
+#: The first torch whose meta kernel of ``_scaled_dot_product_flash_attention_for_cpu`` gives the
+#: log-sum-exp the CPU kernel's dtype (``utils.get_computation_dtype(query.dtype)``: float64 for a
+#: float64 query; torch/_meta_registrations.py of 2.13); 2.11's (and 2.8's) say float32 always, where
+#: the CPU kernel (aten/src/ATen/native/transformers/attention.cpp) returns float64 for float64.
+CPU_FLASH_LSE_META_FIXED_SINCE = (2, 13)
 
 _BOTH = ("cpu", "cuda")
 
@@ -269,6 +311,21 @@ CORRECTIONS: tuple[Correction, ...] = (
         _sparse_clone,
         when=lambda args: args[0].layout is torch.sparse_coo,
     ),
+) + (
+    ()
+    if torch_at_least(*CPU_FLASH_LSE_META_FIXED_SINCE)
+    else (
+        Correction(
+            "aten._scaled_dot_product_flash_attention_for_cpu",
+            (aten._scaled_dot_product_flash_attention_for_cpu.default,),
+            ("cpu",),
+            "for a float64 query the log-sum-exp is float64; this torch's meta kernel makes it float32 "
+            "(torch 2.13's meta kernel makes it the query's computation dtype)",
+            "aten/src/ATen/native/transformers/attention.cpp: _scaled_dot_product_flash_attention_cpu",
+            _cpu_flash_attention,
+            when=lambda args: args[0].dtype is torch.float64,
+        ),
+    )
 )
 
 _BY_OP = {op: correction for correction in CORRECTIONS for op in correction.ops}

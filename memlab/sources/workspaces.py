@@ -54,6 +54,7 @@ __all__ = [
     "cublas_workspace_size",
     "cublaslt_workspace_size",
     "default_cublas_workspace_size",
+    "keeps_own_cublaslt",
     "unified_workspaces",
     "workspace_ops",
     "workspace_sizes",
@@ -210,6 +211,15 @@ def unified_workspaces(value: str | None, default: bool | None = None) -> bool:
             stacklevel=2,
         )
     return default
+
+
+def keeps_own_cublaslt(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a cuBLASLt op (a ``Linear`` with bias) keeps a workspace of its own, besides its
+    handle's cuBLAS workspace, under ``environ`` (default ``os.environ``): on torch 2.9-2.11 unless
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``, from 2.12 only with ``=0``; never on torch 2.8, whose
+    cuBLASLt workspace lives for one call."""
+    env = os.environ if environ is None else environ
+    return not _LT_PER_CALL and not unified_workspaces(env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE"))
 
 
 def cublaslt_workspace_size(value: str | None, unified: bool, cublas: int, chosen_default: int) -> int:

@@ -194,8 +194,8 @@ def test_the_program_s_finally_blocks_run_to_their_end_after_sigterm(tmp_path):
     source = LOOP.replace(
         'print("ready", flush=True)\nwhile True:\n    step(x)\n',
         "import time\n"
-        'print("ready", flush=True)\n'
-        "try:\n"
+        "try:\n"  # "ready" inside the try: a SIGTERM right after it finds the finally block armed
+        '    print("ready", flush=True)\n'
         "    while True:\n"
         "        step(x)\n"
         "finally:\n"

@@ -95,3 +95,19 @@ def test_each_correction_says_what_differs_and_the_source_it_follows() -> None:
     for correction in CORRECTIONS:
         assert correction.differs and correction.source.startswith(("aten/", "torch/"))
         assert set(correction.kernels) <= {"cpu", "cuda"}
+
+
+def test_a_bfloat16_lstms_backward_rebuilt_as_the_cpu_kernel_matches_the_real_run(monkeypatch):
+    # The CPU kernel returns float32 gradients for a bfloat16 LSTM (cast to bfloat16 afterwards);
+    # torch 2.13's meta kernel says so, 2.11's gives bfloat16 ones, and there memlab rebuilds the
+    # outputs as the CPU kernel makes them. That rebuild, forced on any torch, matches the real run
+    # (the zoo's case tests the installed torch's own path).
+    from memlab.estimate import sizes
+    from tests.estimate.test_zoo import ZOO, tracked_run
+
+    monkeypatch.setattr(sizes, "ONEDNN_BACKWARD_META_FIXED_SINCE", (99, 0))
+    torch.manual_seed(0)
+    step, module, *inputs = ZOO["lstm_no_bias_bfloat16"].build()
+    estimate = memlab.estimate(step, module, *inputs)
+    real = tracked_run(step, module, tuple(inputs))
+    assert estimate.stats["allocated_bytes.all.peak"] == real["allocated_bytes.all.peak"] == 479_232

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memlab
+from memlab._torch_version import torch_at_least
 from memlab.estimate.result import RERUN
-from memlab.estimate.sizes import CORRECTIONS
+from memlab.estimate.sizes import CORRECTIONS, CPU_FLASH_LSE_META_FIXED_SINCE
 from memlab.history import categories
 
 KEYS = (
@@ -135,6 +136,7 @@ def linear() -> nn.Module:
 # The corrections (memlab.estimate.sizes.CORRECTIONS, by name) a case goes through.
 BATCH_NORM = ("aten.native_batch_norm_backward",)
 BAG = ("aten._embedding_bag",)
+CPU_FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
 ONEDNN_LSTM = ("aten.mkldnn_rnn_layer", "aten.mkldnn_rnn_layer_backward")
 COLUMNS = ("aten.col2im / aten.im2col",)
 WINDOW = ("aten.kaiser_window",)
@@ -297,6 +299,11 @@ ZOO: dict[str, Case] = {
     "scaled_dot_product_attention": Case(lambda: (attention(), nn.Linear(64, 192), R(8, 128, 64))),
     "scaled_dot_product_attention_causal": Case(
         lambda: (attention(causal=True), nn.Linear(64, 192), R(8, 128, 64))
+    ),
+    # float64: CPU flash keeps a float64 log-sum-exp, which torch 2.11's meta kernel makes float32
+    "scaled_dot_product_attention_float64": Case(
+        lambda: (attention(), nn.Linear(64, 192).double(), R(8, 128, 64).double()),
+        corrects=() if torch_at_least(*CPU_FLASH_LSE_META_FIXED_SINCE) else (CPU_FLASH,),
     ),
     "scaled_dot_product_attention_mask": Case(
         lambda: (attention(), nn.Linear(64, 192), R(8, 128, 64), R(128, 128))
