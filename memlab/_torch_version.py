@@ -13,6 +13,7 @@ pytest run).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import re
 import warnings
@@ -62,9 +63,12 @@ def _installed() -> str | None:
         return None
 
 
+@functools.cache
 def torch_version() -> tuple[int, int, int]:
     """The installed torch's (major, minor, patch), from its distribution metadata; ``torch.__version__``
-    where torch is importable without metadata (a source checkout on ``sys.path``)."""
+    where torch is importable without metadata (a source checkout on ``sys.path``). Read once per
+    process (reading the metadata scans ``sys.path``: about 2 ms), since the tables that ask
+    (:func:`torch_at_least`) are consulted per op."""
     text = _installed()
     if text is None:
         import torch
