@@ -143,6 +143,10 @@ def run(command: list[str] | str, cwd: Path, terminal: bool = False) -> subproce
     """
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "80"}
+    # as a user's terminal: pytest shortens its summary lines to the width unless CI or BUILD_NUMBER is
+    # set (_pytest.terminal.running_on_ci), as it is when .ci/run runs under CI=true
+    for variable in ("CI", "BUILD_NUMBER"):
+        env.pop(variable, None)
     if terminal:
         env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(
