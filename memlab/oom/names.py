@@ -77,11 +77,16 @@ def culprits(
     local = _local_names(stack_locals)
     renamed = {name: local[id(tensor)] for tensor, name in anonymous if id(tensor) in local}
     unnamed = {name for _, name in anonymous} - renamed.keys()
+    # Largest first; of equal sizes, the model's and optimizer's tensors (in MemReporter's order),
+    # then those local variables name (by name), then the rest. MemReporter orders tensors outside
+    # the model by the order gc lists objects in, which differs between torch releases and runs, so
+    # those nothing names are shown by shape and dtype, not by its TensorN.
     records = [r._replace(name=renamed.get(r.name, r.name)) for r in records]
-    # Largest first; of equal sizes, those the user can name first. A tensor nothing names is shown
-    # by its shape and dtype: MemReporter's TensorN follows the order gc lists objects in, which
-    # differs between torch releases and runs.
-    records = sorted((r for r in records if r.memory), key=lambda r: (-r.memory, r.name in unnamed))
+    local_names = set(renamed.values())
+    records = sorted(
+        (r for r in records if r.memory),
+        key=lambda r: (-r.memory, r.name in unnamed, r.name if r.name in local_names else ""),
+    )
     return [
         Culprit(
             f"unnamed {r.size_text} {str(r.dtype).removeprefix('torch.')}" if r.name in unnamed else r.name,
