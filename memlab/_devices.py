@@ -14,6 +14,7 @@ __all__ = [
     "VALID_FORMS",
     "DeviceLike",
     "cuda_device_exists",
+    "default_device",
     "parse_device",
     "require_usable",
     "resolve_device",
@@ -48,6 +49,20 @@ def parse_device(device: DeviceLike, *, name: str = "device") -> torch.device:
         raise ValueError(f"{name} {device!r} is not a device; valid: {VALID_FORMS}") from None
 
 
+def default_device() -> torch.device:
+    """torch's default device, ``torch.get_default_device()`` (which honours ``with
+    torch.device(...)`` and ``torch.set_default_device``), also where torch 2.8's own raises: after
+    ``torch.set_default_device(None)`` its thread-local context is ``None``, which 2.8's
+    ``get_default_device`` reads ``.device`` of (``AttributeError``; from 2.9 on it means ``cpu``, as
+    it does here)."""
+    try:
+        return torch.get_default_device()
+    except AttributeError:
+        if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", True) is not None:
+            raise
+        return torch.device("cpu")
+
+
 def with_index(device: torch.device) -> torch.device:
     """``device`` with an index where torch's allocators key by one: ``cuda`` is ``cuda:0``;
     ``cpu`` and ``meta`` stay as they are."""
@@ -61,7 +76,7 @@ def resolve_device(device: DeviceLike | None, *, name: str = "device") -> torch.
     (``torch.get_default_device()``, which honours ``with torch.device(...)``), anything else is
     :func:`parse_device` with an index (:func:`with_index`)."""
     if device is None:
-        return with_index(torch.get_default_device())
+        return with_index(default_device())
     return with_index(parse_device(device, name=name))
 
 

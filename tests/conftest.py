@@ -2,8 +2,25 @@ from __future__ import annotations
 
 import sys
 
+import os
+
 import pytest
 import torch
+
+from memlab._torch_version import torch_at_least
+
+# The suite's exact outputs (README, CLI and notebook tables, plots, reports) are written for the
+# cuBLAS workspaces of torch 2.12 and later, where cuBLASLt shares the handle's cuBLAS workspace.
+# torch 2.9-2.11 give cuBLASLt a 1 MiB workspace of its own per handle unless
+# TORCH_CUBLASLT_UNIFIED_WORKSPACE=1; torch 2.8 allocates one for each cuBLASLt call unless
+# CUBLASLT_WORKSPACE_SIZE=0. Both are PyTorch's own switches, which the model reads as PyTorch does:
+# set here (and so inherited by the scripts the tests run) so that those outputs hold on every
+# supported release. tests/sources/test_workspaces.py unsets them and checks each release's own
+# default layout.
+if not torch_at_least(2, 9):
+    os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
+elif not torch_at_least(2, 12):
+    os.environ.setdefault("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
 
 
 def pytest_collection_modifyitems(config, items):

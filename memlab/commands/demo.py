@@ -15,7 +15,7 @@ import os
 import torch
 
 from memlab._arguments import COLUMN_OPTION, NO_DEFAULT_COLUMNS_OPTION, OUTPUT_OPTION, columns_shown
-from memlab._devices import parse_device, require_usable
+from memlab._devices import default_device, parse_device, require_usable
 from memlab.commands._command import CommandError
 from memlab.commands._footprint import ModelFootprint
 from memlab.commands._program import MainProgram
@@ -63,7 +63,7 @@ class DemoCommand:
             raise CommandError(f"the packaged example {EXAMPLE} is missing; reinstall memlab")
         device = _device(args.device)
         program = MainProgram(EXAMPLE, [] if args.epochs is None else ["--epochs", str(args.epochs)])
-        previous = torch.get_default_device()
+        previous = default_device()
         torch.set_default_device(device)
         try:
             # Without --device, measure what memlab run measures by default (its target 0: the GPU,
@@ -91,7 +91,7 @@ def _device(text: str | None) -> torch.device:
     """``--device`` checked: a device this torch can use here, not ``meta`` (the example reads its
     loss with ``loss.item()``, which meta tensors do not have)."""
     if text is None:
-        return torch.device("cuda") if torch.cuda.is_available() else torch.get_default_device()
+        return torch.device("cuda") if torch.cuda.is_available() else default_device()
     try:
         device = parse_device(text, name="--device")
         if device.type != "meta":

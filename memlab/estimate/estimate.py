@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memlab._devices import parse_device
+from memlab._devices import default_device, parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._units import check_count, format_size
 from memlab.estimate.copies import Copier, named_objects
@@ -180,7 +180,7 @@ def _target(device: torch.device | str | None, roots: Any) -> torch.device:
         return torch.device("cuda")
     if len(types) == 1:
         return torch.device(types.pop())
-    return torch.get_default_device()
+    return default_device()
 
 
 def run_estimate(

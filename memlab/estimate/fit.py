@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from memlab._devices import parse_device
+from memlab._devices import default_device, parse_device
 from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._progress import Progress
 from memlab._units import check_count, format_size, parse_size
@@ -182,7 +182,7 @@ def max_batch_size(
     elif torch.cuda.is_available() or gpu is not None:
         target = torch.device("cuda")
     else:
-        target = torch.get_default_device()
+        target = default_device()
     modelled = modelled_gpu(gpu)
     limit, extra = budget_in_bytes(budget, headroom, target, modelled)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from memlab._devices import cuda_device_exists, parse_device, with_index
+from memlab._devices import cuda_device_exists, default_device, parse_device, with_index
 from memlab.history.recorder import is_own_file
 from memlab.history.series import Segments
 from memlab.sources.tracker import TensorTracker
@@ -199,7 +199,7 @@ def _read_tracker(
     if wanted is not None and wanted.type != "cuda":
         chosen = wanted
     else:
-        seen = tracker.devices or [torch.get_default_device()]
+        seen = tracker.devices or [default_device()]
         chosen = max(seen, key=lambda d: tracker.max_memory_allocated(d))
     stats = tracker.memory_stats(chosen)
     measurement.device = str(chosen)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memlab._devices import cuda_device_exists, parse_device, require_usable, with_index
+from memlab._devices import cuda_device_exists, default_device, parse_device, require_usable, with_index
 from memlab._units import format_size
 from memlab.sources.base import MemorySource
 from memlab.sources.workspace_note import tracker_workspaces, with_note
@@ -65,7 +65,7 @@ def measured_device(target: torch.device | int, *, name: str = "target_gpu") -> 
     index (``cuda`` is ``cuda:0``), when this machine can use it."""
     if isinstance(target, int):
         if target == 0 and not torch.cuda.is_available():
-            return with_index(torch.get_default_device()), True
+            return with_index(default_device()), True
         if not torch.cuda.is_available():
             raise ValueError(
                 f"{name} {target}: no such GPU (this machine has no CUDA GPU; only index 0, the default, "

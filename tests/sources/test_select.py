@@ -142,6 +142,20 @@ def test_the_measured_device_of_an_int_is_a_gpu_index_only_0_stands_for_the_defa
         SourceSelector().open(7)  # a target set around check_target is refused where the source is chosen
 
 
+def test_the_default_device_after_set_default_device_none_is_the_cpu_on_every_release():
+    # torch 2.8's own get_default_device raises AttributeError here (its context is None)
+    torch.set_default_device("meta")
+    try:
+        assert measured_device(0) == (torch.device("meta"), True)
+        torch.set_default_device(None)
+        assert measured_device(0) == (torch.device("cpu"), True)
+        profiler = memlab.LineProfiler(make_on_cpu)
+        profiler.target_gpu = 0
+        assert profiler.target_gpu == 0
+    finally:
+        torch.set_default_device(None)
+
+
 def make_on_cpu():
     return torch.empty(1000, dtype=torch.uint8)
 
