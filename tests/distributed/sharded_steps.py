@@ -68,11 +68,29 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
 
 
+class _DistWithInPlaceReduceScatter:
+    """``torch.distributed`` with :class:`InPlaceReduceScatter` as its ``reduce_scatter_tensor``:
+    what torch 2.8's FSDP2 (which has no ``set_custom_reduce_scatter``) calls it through."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None, op: Any = None):
+        InPlaceReduceScatter()(output, input, group, op)
+
+
 def fsdp2(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in (model[0], model[2]):
-        fully_shard(layer).set_custom_reduce_scatter(InPlaceReduceScatter())
+        state = fully_shard(layer)
+        if hasattr(state, "set_custom_reduce_scatter"):
+            state.set_custom_reduce_scatter(InPlaceReduceScatter())
+        else:  # torch 2.8: FSDP2's foreach_reduce calls dist.reduce_scatter_tensor of its module
+            from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+            _fsdp_collectives.dist = _DistWithInPlaceReduceScatter()
     return fully_shard(model)
 
 
