@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import sys
-
 import os
+import sys
 
 import pytest
 import torch

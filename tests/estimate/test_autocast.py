@@ -21,6 +21,7 @@ from memlab.estimate.autocast import CUDA_AUTOCAST_OPS
 from memlab.estimate.kernels import CudaKernels
 from memlab.sources.select import describe_source
 from memlab.sources.tracker import active_tracker
+from memlab.sources.workspaces import keeps_own_cublaslt
 from tests.estimate.recording import Record
 
 BLOCK = 512  # CUDACachingAllocator.cpp round_size: every block a multiple of 512 B, at least 512 B
@@ -459,7 +460,7 @@ def test_a_tracked_cpu_run_says_the_region_ran_in_float32():
             with torch.autocast("cuda", enabled=False):  # asked disabled: nothing to say
                 model(torch.ones(2, 8))
     # the bias addmm's cuBLAS workspace; on torch 2.9-2.11 also cuBLASLt's own 1 MiB
-    own_lt = torch_at_least(2, 9) and not torch_at_least(2, 12)
+    own_lt = keeps_own_cublaslt()
     workspaces = (
         "2 modelled cuBLAS/cuBLASLt workspaces of the H100: 33.00M"
         if own_lt

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import memlab
+from memlab._gpus import GPUS
 from memlab._torch_version import torch_at_least
 from memlab.history import categories
+from memlab.sources.workspaces import keeps_own_cublaslt, workspace_sizes
 
 KEYS = ("allocated_bytes.all.peak", "active_bytes.all.peak", "reserved_bytes.all.peak")
 #: An H100's cuBLAS workspace (the GPU estimates model here): one per thread that runs a matmul,
@@ -20,8 +22,10 @@ WORKSPACE = 32 * 2**20
 # torch 2.12 on; on 2.9-2.11 the cuBLAS workspace of its handle and a 1 MiB cuBLASLt one of its own
 # (memlab.sources.workspaces.UNIFIED_BY_DEFAULT_SINCE; measured so on an H100 with 2.11); on 2.8 the
 # cuBLAS workspace, and 1 MiB for each cuBLASLt call while it runs (its CUDABlas.cpp: CublasLtWorkspace)
-LT_CALL = 0 if torch_at_least(2, 9) else 2**20
-LT_WORKSPACE = WORKSPACE + 2**20 if torch_at_least(2, 9) and not torch_at_least(2, 12) else WORKSPACE
+# cuBLASLt's workspace besides the cuBLAS one, as the environment sets it (tests/conftest.py): torch
+# 2.8's for each call, 2.9-2.11's kept per handle (memlab.sources.workspaces)
+LT_CALL = 0 if torch_at_least(2, 9) else workspace_sizes(GPUS["H100"]).cublaslt
+LT_WORKSPACE = WORKSPACE + 2**20 if keeps_own_cublaslt() else WORKSPACE
 
 
 def cnn() -> torch.nn.Module:
