@@ -8,6 +8,9 @@ the same forms and fail with the same message.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 __all__ = [
@@ -15,6 +18,7 @@ __all__ = [
     "DeviceLike",
     "cuda_device_exists",
     "default_device",
+    "default_device_as",
     "parse_device",
     "require_usable",
     "resolve_device",
@@ -61,6 +65,24 @@ def default_device() -> torch.device:
         if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", True) is not None:
             raise
         return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def default_device_as(device: torch.device) -> Iterator[None]:
+    """``torch.set_default_device(device)`` for the body (this thread), then the default device
+    exactly as it was: where none had been set, none, rather than ``set_default_device(None)``,
+    after which torch 2.8's ``get_default_device`` raises (:func:`default_device`) in the user's
+    code too."""
+    local = torch._GLOBAL_DEVICE_CONTEXT
+    had = hasattr(local, "device_context")
+    previous = getattr(local, "device_context", None)
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None if previous is None else previous.device)
+        if not had:
+            del local.device_context
 
 
 def with_index(device: torch.device) -> torch.device:

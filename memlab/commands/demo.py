@@ -15,7 +15,7 @@ import os
 import torch
 
 from memlab._arguments import COLUMN_OPTION, NO_DEFAULT_COLUMNS_OPTION, OUTPUT_OPTION, columns_shown
-from memlab._devices import default_device, parse_device, require_usable
+from memlab._devices import default_device, default_device_as, parse_device, require_usable
 from memlab.commands._command import CommandError
 from memlab.commands._footprint import ModelFootprint
 from memlab.commands._program import MainProgram
@@ -63,17 +63,12 @@ class DemoCommand:
             raise CommandError(f"the packaged example {EXAMPLE} is missing; reinstall memlab")
         device = _device(args.device)
         program = MainProgram(EXAMPLE, [] if args.epochs is None else ["--epochs", str(args.epochs)])
-        previous = default_device()
-        torch.set_default_device(device)
-        try:
-            # Without --device, measure what memlab run measures by default (its target 0: the GPU,
-            # or without one the default device set above), so that both say the same first line.
-            target = None if args.device is None else device
-            footprint = ModelFootprint()
-            with footprint.watching():
-                status = profile_program(program, [EXAMPLE_FUNCTION], columns, target, args.output)
-        finally:
-            torch.set_default_device(None if previous == torch.device("cpu") else previous)
+        # Without --device, measure what memlab run measures by default (its target 0: the GPU,
+        # or without one the default device set here), so that both say the same first line.
+        target = None if args.device is None else device
+        footprint = ModelFootprint()
+        with default_device_as(device), footprint.watching():
+            status = profile_program(program, [EXAMPLE_FUNCTION], columns, target, args.output)
         line = footprint.line()
         if line is not None:
             print(f"\n{line}")

@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memlab
+from memlab._devices import default_device_as
 from memlab.sources.cuda import CudaSource
 from memlab.sources.select import SourceSelector, check_target, describe_source, measured_device, open_source
 from memlab.sources.tracker import is_active
@@ -144,16 +145,16 @@ def test_the_measured_device_of_an_int_is_a_gpu_index_only_0_stands_for_the_defa
 
 def test_the_default_device_after_set_default_device_none_is_the_cpu_on_every_release():
     # torch 2.8's own get_default_device raises AttributeError here (its context is None)
-    torch.set_default_device("meta")
-    try:
+    assert not hasattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context")
+    with default_device_as(torch.device("meta")):
         assert measured_device(0) == (torch.device("meta"), True)
         torch.set_default_device(None)
         assert measured_device(0) == (torch.device("cpu"), True)
         profiler = memlab.LineProfiler(make_on_cpu)
         profiler.target_gpu = 0
         assert profiler.target_gpu == 0
-    finally:
-        torch.set_default_device(None)
+    assert not hasattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context")  # as it was: never set
+    assert torch.get_default_device() == torch.device("cpu")
 
 
 def make_on_cpu():
