@@ -8,6 +8,7 @@ script, which wraps its input in ``<svg>`` tags, so nothing is fetched from the 
 from __future__ import annotations
 
 import base64
+import inspect
 import json
 import os
 import pickle
@@ -15,6 +16,7 @@ import re
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,20 @@ MiB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[Path, dict, object]:
+def run(tmp_path_factory) -> Iterator[tuple[Path, dict, object]]:
     """A folder holding ``snapshot.pickle`` (a Linear layer kept, a 4,000 B tensor freed) and the
-    stand-in flamegraph.pl under ``.cache``; the snapshot; and a runner of _memory_viz there."""
+    stand-in flamegraph.pl where the installed torch's _memory_viz looks for it (``~/.cache``, HOME
+    being that folder; torch 2.8: ``/tmp/<uid>_flamegraph.pl``, a file already there put back after);
+    the snapshot; and a runner of _memory_viz there."""
     home = tmp_path_factory.mktemp("home")
-    script = home / ".cache" / "flamegraph.pl"
-    script.parent.mkdir()
+    if "~/.cache/" in inspect.getsource(_memory_viz.format_flamegraph):
+        script = home / ".cache" / "flamegraph.pl"
+        script.parent.mkdir()
+    else:
+        script = Path(f"/tmp/{os.getuid()}_flamegraph.pl")
+    aside = home / "flamegraph.pl.aside"
+    if script.exists():
+        script.rename(aside)
     script.write_text("#!/bin/sh\necho '<svg>'\ncat\necho '</svg>'\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     with TensorTracker(history=True) as tracker:
@@ -54,7 +64,10 @@ def run(tmp_path_factory) -> tuple[Path, dict, object]:
         )
         return result.stdout
 
-    return home, tracker.snapshot(), memory_viz
+    yield home, tracker.snapshot(), memory_viz
+    script.unlink()
+    if aside.exists():
+        aside.rename(script)
 
 
 def test_stats_sums_the_one_small_segment(run):

@@ -565,13 +565,16 @@ def test_entering_a_tracker_imports_what_the_first_op_would_so_no_line_pays_for_
     import sys
 
     script = (
-        "import sys, memlab\n"
+        "import sys, torch, memlab\n"
         "before = 'torch._dynamo' in sys.modules\n"
         "with memlab.TensorTracker():\n"
-        "    print(before, 'torch._dynamo' in sys.modules)\n"
+        "    entered = set(sys.modules)\n"
+        "    torch.ones(2) + 1\n"
+        "    print(before, 'torch._dynamo' in sys.modules, sorted(set(sys.modules) - entered))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.stdout == "False True\n", result.stderr
+    # torch 2.8's first op under a dispatch mode imports nothing: nothing to import at the entry
+    assert result.stdout == f"False {torch_at_least(2, 9)} []\n", result.stderr
 
 
 CTRL_C_DURING_WARM_UP = """\
@@ -621,6 +624,9 @@ print(events, orphans[:3], tracker.memory_allocated())
 """
 
 
+@pytest.mark.skipif(
+    not torch_at_least(2, 9), reason="torch 2.8's first op under a dispatch mode imports nothing to interrupt"
+)
 def test_ctrl_c_while_the_first_entry_imports_torch_dynamo_is_raised_after_the_import(tmp_path):
     import subprocess
     import sys
