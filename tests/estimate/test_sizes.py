@@ -11,6 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memlab
+from memlab._torch_version import torch_at_least
 from memlab.estimate.kernels import CudaKernels
 from memlab.estimate.sizes import CORRECTIONS, _onednn_workspace_nbytes
 
@@ -110,4 +111,6 @@ def test_a_bfloat16_lstms_backward_rebuilt_as_the_cpu_kernel_matches_the_real_ru
     step, module, *inputs = ZOO["lstm_no_bias_bfloat16"].build()
     estimate = memlab.estimate(step, module, *inputs)
     real = tracked_run(step, module, tuple(inputs))
-    assert estimate.stats["allocated_bytes.all.peak"] == real["allocated_bytes.all.peak"] == 479_232
+    # the real run's peak: 528,384 B with torch 2.8.0's CPU kernel, 479,232 B from 2.9 on (2.11, 2.13)
+    peak = 479_232 if torch_at_least(2, 9) else 528_384
+    assert estimate.stats["allocated_bytes.all.peak"] == real["allocated_bytes.all.peak"] == peak
