@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["WORKSPACE", "held", "holding", "refused_workspace", "settle"]
+__all__ = ["WORKSPACE", "deciding", "held", "holding", "refused_workspace", "settle"]
 
 #: A tracker's counting of one op, given what was refused (``None``: nothing; else the storage
 #: refused, or :data:`WORKSPACE` when the refusal was the op's cuBLAS workspace).
@@ -52,6 +52,12 @@ def holding() -> Iterator[list[Counting]]:
         yield frame
     finally:
         frames.pop()
+
+
+def deciding() -> bool:
+    """Whether a tracker of this thread is deciding (an op runs below one that can refuse): a
+    tracker then hands its counting on with :func:`held`, else counts at once (no callable made)."""
+    return bool(getattr(_here, "frames", None))
 
 
 def held(counting: Counting) -> bool:
