@@ -110,6 +110,7 @@ def _storage_ids(args: Any, kwargs: Any) -> set[int]:
             ids.update(map(id, found))
     return ids
 
+
 def collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:
     """Append the storages of every tensor in ``obj`` (a tensor or nested lists/tuples of them)."""
     if isinstance(obj, torch.Tensor):
