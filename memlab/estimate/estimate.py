@@ -285,7 +285,7 @@ def run_estimate(
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
                 copies = OutsideCopies(method, mode, isolation.tensors, outside, host_scalar)
-                with profiler or contextlib.nullcontext(), copies:
+                with profiler or contextlib.nullcontext(), tracker.copying(copies):
                     isolation.protect()
                     result = None
                     for index in range(steps):

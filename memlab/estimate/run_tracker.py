@@ -1,11 +1,14 @@
-"""The tracker an estimate runs under: it remembers the first op fake tensors could not run (which
-forces a real CPU run, named in the estimate), counts the storages real kernels allocate where they
-differ from the meta kernels' (:mod:`memlab.estimate.sizes`), and keeps an estimate's out-of-memory
-errors from the OOM observers."""
+"""The tracker an estimate runs under: it hands each op copies of the user's tensors the call reaches
+(:mod:`memlab.estimate.outside`: no dispatch mode of their own), remembers the first op fake
+tensors could not run (which forces a real CPU run, named in the estimate), counts the storages
+real kernels allocate where they differ from the meta kernels' (:mod:`memlab.estimate.sizes`), and
+keeps an estimate's out-of-memory errors from the OOM observers."""
 
 from __future__ import annotations
 
+import contextlib
 import linecache
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +19,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from memlab.estimate.modes import UnwrappedDispatch
+from memlab.estimate.outside import OutsideCopies
 from memlab.estimate.sizes import RealSizes
 from memlab.history.recorder import _no_stack, capture_stack
 from memlab.sources.tracker import TensorTracker
@@ -51,7 +55,24 @@ class EstimateTracker(UnwrappedDispatch, TensorTracker):
             allocator.history.stack = _no_stack  # categories and peaks only: no stack walk per allocation
         return allocator
 
+    @contextlib.contextmanager
+    def copying(self, copies: OutsideCopies) -> Iterator[None]:
+        """While entered (in the calling thread): every op this tracker sees gets ``copies``'s
+        copies of the user's tensors (:meth:`OutsideCopies.arguments`) before anything else, as
+        if ``copies`` were a dispatch mode entered above the tracker; on exit ``copies`` sets back
+        the version counters of the tensors it copied."""
+        here = self._here
+        with copies:
+            here.copies = copies
+            try:
+                yield
+            finally:
+                here.copies = None
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        copies = getattr(self._here, "copies", None)
+        if copies is not None:
+            args, kwargs = copies.arguments(func, args, kwargs)
         try:
             if self.real_sizes is None:
                 return super().__torch_dispatch__(func, types, args, kwargs)
