@@ -238,6 +238,7 @@ def run_estimate(
         kernels=device.type if method == "fake" else None,
         gpu=gpu,
         stacks=stacks,
+        values=values,
     )
     tracker.estimated = HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
     kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)

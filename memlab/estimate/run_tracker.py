@@ -7,6 +7,7 @@ keeps an estimate's out-of-memory errors from the OOM observers."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import linecache
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from memlab.estimate.modes import UnwrappedDispatch
 from memlab.estimate.outside import OutsideCopies
@@ -36,18 +38,87 @@ _OP_NAMES = {
 }
 
 
+#: ``TensorTracker.__torch_dispatch__`` without the ``torch._disable_dynamo`` wrapper PyTorch puts
+#: on it (see :class:`~memlab.estimate.modes.UnwrappedDispatch`, why an estimate needs none).
+_tracker_dispatch = inspect.unwrap(TensorTracker.__torch_dispatch__)
+
+
 class EstimateTracker(UnwrappedDispatch, TensorTracker):
     """A tracker that remembers the first op fake tensors could not run, and where, and (given
     ``kernels``, whose kernels a fake run mimics) counts the storages real kernels allocate where
-    they differ from the meta kernels' (:mod:`memlab.estimate.sizes`)."""
+    they differ from the meta kernels' (:mod:`memlab.estimate.sizes`).
+
+    Given ``values`` (the run's :class:`~memlab.estimate.values.HostValues`, a dispatch mode), the
+    tracker, entered right above it, takes it off the dispatch mode stack of the thread that
+    enters it and calls its handler itself for every op (:attr:`host_values`; it goes back on the
+    stack when the tracker exits): the ops reach the same handlers in the same order, through one
+    Python dispatch mode fewer (~3 us per op, ``benchmarks/bench_floor.py``). An op a size
+    correction answers (:meth:`RealSizes.corrects`) runs with it back on the stack, below the
+    correction's mode, as before."""
 
     forced_by: str | None = None
     estimated: str | None = None  # how the estimate ran, for the line that says where numbers come from
 
-    def __init__(self, *, kernels: str | None = None, stacks: bool = True, **options: Any) -> None:
+    def __init__(
+        self, *, kernels: str | None = None, stacks: bool = True, values: Any = None, **options: Any
+    ) -> None:
         self.stacks = stacks  # before the tracker makes its first allocator
         super().__init__(**options)
         self.real_sizes = RealSizes(kernels) if kernels is not None else None
+        #: The :class:`~memlab.estimate.values.HostValues` whose handler the tracker calls (or ``None``).
+        self.host_values = values
+
+    def __enter__(self) -> EstimateTracker:
+        here, values = self._here, self.host_values
+        stack = _get_current_dispatch_mode_stack()
+        take = values is not None and not getattr(here, "entered", 0) and bool(stack) and stack[-1] is values
+        if take:
+            _pop_mode()
+        try:
+            super().__enter__()
+        except BaseException:
+            if take:
+                _push_mode(values)
+            raise
+        if take:
+            here.values = values
+            self._below = self._values_below
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        here = self._here
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            values = getattr(here, "values", None)
+            if values is not None and not here.entered:
+                here.values = None
+                self._below = None
+                if not self._left_behind:  # taken off the stack: the mode below it is on top again
+                    _push_mode(values)
+
+    def _values_below(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """The op run by the handler of :attr:`host_values` in the thread that took it off its stack;
+        in another thread (one started while the tracker is active) the op itself."""
+        values = getattr(self._here, "values", None)
+        if values is None:
+            return func(*args, **(kwargs or {}))
+        return values.__torch_dispatch__(func, types, args, kwargs)
+
+    def _corrected(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """``func`` answered by its size correction, with :attr:`host_values` back on the stack below
+        the correction's mode (the ops the correction runs reach it as they did before)."""
+        here = self._here
+        values = getattr(here, "values", None)
+        if values is None:
+            return self.real_sizes.run(func, args, lambda: _tracker_dispatch(self, func, types, args, kwargs))  # type: ignore[union-attr]
+        _push_mode(values)
+        here.values = None
+        try:
+            return self.real_sizes.run(func, args, lambda: _tracker_dispatch(self, func, types, args, kwargs))  # type: ignore[union-attr]
+        finally:
+            here.values = values
+            _pop_mode()
 
     def _new_allocator(self) -> Any:
         allocator = super()._new_allocator()
@@ -74,10 +145,12 @@ class EstimateTracker(UnwrappedDispatch, TensorTracker):
         if copies is not None:
             args, kwargs = copies.arguments(func, args, kwargs)
         try:
-            if self.real_sizes is None:
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            run = super().__torch_dispatch__
-            return self.real_sizes.run(func, args, lambda: run(func, types, args, kwargs))
+            sizes = self.real_sizes
+            if sizes is None:
+                return _tracker_dispatch(self, func, types, args, kwargs)
+            if sizes.corrects(func, args):
+                return self._corrected(func, types, args, kwargs)
+            return sizes.checked(func, args, _tracker_dispatch(self, func, types, args, kwargs))
         except DATA_DEPENDENT:
             if self.forced_by is None:
                 self.forced_by = _describe_op(func)

@@ -364,6 +364,11 @@ class TensorTracker(
         self._inherited.add(threading.current_thread())
 
     # -- dispatch ---------------------------------------------------------------------------
+    #: What runs an op below the tracker: ``None``, the op itself (the modes below it dispatch it);
+    #: a subclass may set ``below(func, types, args, kwargs)``, which calls the handler of the mode
+    #: below directly (that mode is then off the stack): one Python mode fewer per op.
+    _below: Any = None
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kind = self._kinds.get(id(func))  # by id: an OpOverload hashes in Python
         if kind is None or kind.func is not func:
@@ -375,7 +380,8 @@ class TensorTracker(
                 return run_composite(self, kernel, args, kwargs)
         before = sizes_before(kind.grows, args, kwargs, collect_storages) if kind.grows else None
         if not self._limited:
-            out = func(*args, **(kwargs or {}))
+            below = self._below
+            out = func(*args, **(kwargs or {})) if below is None else below(func, types, args, kwargs)
             if not self._entries or self._left_behind:
                 return out  # exited (out of order, or before a thread it was inherited by ends): never count
             if deciding():  # a tracker above with a capacity decides first (sources/holds.py)
@@ -385,7 +391,8 @@ class TensorTracker(
             return out
         with holding() as frame:
             try:
-                out = func(*args, **(kwargs or {}))
+                below = self._below
+                out = func(*args, **(kwargs or {})) if below is None else below(func, types, args, kwargs)
             except BaseException:
                 settle(frame)
                 raise
