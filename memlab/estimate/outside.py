@@ -116,11 +116,12 @@ class OutsideCopies:
         self._storages = {id(t.untyped_storage()) for t in user_tensors.values() if _plain(t)}
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}  # before the run
-        self._skip = frozenset(mode.lift_fns) if mode is not None else frozenset()
+        # by id: an OpOverload hashes in Python, and this is asked once per op
+        self._skip = frozenset(map(id, mode.lift_fns)) if mode is not None else frozenset()
 
     def arguments(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """``(args, kwargs)`` for the op ``func``, with each of the user's tensors replaced by its copy."""
-        if func in self._skip:
+        if id(func) in self._skip:
             return args, kwargs
         swap = self._swap
         args = tuple([swap(value) for value in args])
@@ -138,7 +139,7 @@ class OutsideCopies:
             torch._C._autograd._unsafe_set_version_counter(tensors, versions)
 
     def _swap(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
+        if type(value) in _PLAIN:  # a subclass (a fake tensor, a DTensor) is never the user's
             return self._copy(value) if self._users(value) else value
         if type(value) in (list, tuple) and value and isinstance(value[0], torch.Tensor):
             swapped = [self._swap(item) for item in value]
@@ -175,6 +176,9 @@ class OutsideCopies:
         return new
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(tensor: torch.Tensor) -> bool:
     """A tensor with a storage of its own: not a subclass (a fake tensor, a DTensor), not nested."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_nested
+    return type(tensor) in _PLAIN and not tensor.is_nested

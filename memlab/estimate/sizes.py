@@ -328,7 +328,8 @@ CORRECTIONS: tuple[Correction, ...] = (
     )
 )
 
-_BY_OP = {op: correction for correction in CORRECTIONS for op in correction.ops}
+# by id: an OpOverload hashes in Python (the ops stay alive in CORRECTIONS)
+_BY_ID = {id(op): correction for correction in CORRECTIONS for op in correction.ops}
 
 # Sparse tensors made from given parts (or empty by request): their sizes are known, not guessed.
 _SPARSE_FROM_PARTS = {
@@ -390,7 +391,7 @@ class RealSizes:
         return out
 
     def _correction(self, func: Any, args: tuple[Any, ...]) -> Correction | None:
-        correction = _BY_OP.get(func)
+        correction = _BY_ID.get(id(func))
         if (
             correction is not None
             and self.kernels in correction.kernels
