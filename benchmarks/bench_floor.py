@@ -10,7 +10,8 @@ then the step run on them. "fresh": a model never trained; "warm": after two rea
 them). Medians of ``--repeats`` runs of each, measured twice with the two sides interleaved (load
 drift hits both); the ratio estimate / floor of each measure is what counts (the goal: <= 1.3). The
 "step only" column is the floor without the copying, for reference.
-Run: ``python benchmarks/bench_floor.py`` (``--models mlp,lstm`` for a subset).
+Run: ``PYTHONPATH=. python benchmarks/bench_floor.py`` from the repository root (this checkout's memlab;
+``--models mlp,lstm`` for a subset).
 """
 
 from __future__ import annotations
@@ -183,7 +184,10 @@ def main() -> None:
         parser.error(f"unknown model(s) {', '.join(unknown)}; valid: {', '.join(MODELS)}")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}; CPU time, 1 thread, medians of {args.repeats}, each measured twice")
+    print(
+        f"torch {torch.__version__}, memlab from {os.path.dirname(memlab.__file__)}; CPU time, 1 thread, "
+        f"medians of {args.repeats}, each measured twice"
+    )
     print(f"{'step':<20}{'estimate ms':>12}{'floor ms':>10}{'ratio':>7}{'step only ms':>14}{'ratio':>7}")
     for warm in (False,) if args.fresh_only else (False, True):
         for name in names:
