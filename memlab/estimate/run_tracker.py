@@ -49,12 +49,14 @@ class EstimateTracker(UnwrappedDispatch, TensorTracker):
     they differ from the meta kernels' (:mod:`memlab.estimate.sizes`).
 
     Given ``values`` (the run's :class:`~memlab.estimate.values.HostValues`, a dispatch mode), the
-    tracker, entered right above it, takes it off the dispatch mode stack of the thread that
-    enters it and calls its handler itself for every op (:attr:`host_values`; it goes back on the
-    stack when the tracker exits): the ops reach the same handlers in the same order, through one
-    Python dispatch mode fewer (~3 us per op, ``benchmarks/bench_floor.py``). An op a size
-    correction answers (:meth:`RealSizes.corrects`) runs with it back on the stack, below the
-    correction's mode, as before."""
+    tracker, entered right above it, takes it off the dispatch mode stack and calls its handler
+    itself for every op (:attr:`host_values`; it goes back on the stack when the tracker exits):
+    the ops reach the same handlers in the same order, through one Python dispatch mode fewer
+    (~3 us per op, ``benchmarks/bench_floor.py``). So in every thread whose stack PyTorch copied
+    from the entering thread's (autograd's device threads); not in threads started while the
+    tracker is active, whose stack it enters without HostValues below it (:meth:`_enter_new_thread`).
+    An op a size correction answers (:meth:`RealSizes.corrects`) runs with HostValues back on the
+    stack, below the correction's mode, as before."""
 
     forced_by: str | None = None
     estimated: str | None = None  # how the estimate ran, for the line that says where numbers come from
@@ -67,11 +69,13 @@ class EstimateTracker(UnwrappedDispatch, TensorTracker):
         self.real_sizes = RealSizes(kernels) if kernels is not None else None
         #: The :class:`~memlab.estimate.values.HostValues` whose handler the tracker calls (or ``None``).
         self.host_values = values
+        self._values_off: Any = None  # host_values, while the tracker has it off the stack
+        self._copies: OutsideCopies | None = None  # while copying()
 
     def __enter__(self) -> EstimateTracker:
-        here, values = self._here, self.host_values
+        values = self.host_values
         stack = _get_current_dispatch_mode_stack()
-        take = values is not None and not getattr(here, "entered", 0) and bool(stack) and stack[-1] is values
+        take = values is not None and self._values_off is None and bool(stack) and stack[-1] is values
         if take:
             _pop_mode()
         try:
@@ -81,43 +85,45 @@ class EstimateTracker(UnwrappedDispatch, TensorTracker):
                 _push_mode(values)
             raise
         if take:
-            here.values = values
+            self._values_off = values
             self._below = self._values_below
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        here = self._here
         try:
             super().__exit__(*exc_info)
         finally:
-            values = getattr(here, "values", None)
-            if values is not None and not here.entered:
-                here.values = None
-                self._below = None
+            values = self._values_off
+            if values is not None and not self._here.entered:
+                self._values_off = self._below = None
                 if not self._left_behind:  # taken off the stack: the mode below it is on top again
                     _push_mode(values)
 
+    def _enter_new_thread(self) -> None:
+        super()._enter_new_thread()
+        self._here.bypass = True  # no HostValues below the tracker here, no user's tensors swapped
+
     def _values_below(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        """The op run by the handler of :attr:`host_values` in the thread that took it off its stack;
-        in another thread (one started while the tracker is active) the op itself."""
-        values = getattr(self._here, "values", None)
-        if values is None:
+        """The op run by the handler of :attr:`host_values` (off the stack); in a thread started while
+        the tracker is active, or under a size correction, the op itself."""
+        values = self._values_off
+        if values is None or getattr(self._here, "bypass", False):
             return func(*args, **(kwargs or {}))
         return values.__torch_dispatch__(func, types, args, kwargs)
 
     def _corrected(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """``func`` answered by its size correction, with :attr:`host_values` back on the stack below
         the correction's mode (the ops the correction runs reach it as they did before)."""
-        here = self._here
-        values = getattr(here, "values", None)
-        if values is None:
-            return self.real_sizes.run(func, args, lambda: _tracker_dispatch(self, func, types, args, kwargs))  # type: ignore[union-attr]
+        run = self.real_sizes.run  # type: ignore[union-attr]
+        here, values = self._here, self._values_off
+        if values is None or getattr(here, "bypass", False):
+            return run(func, args, lambda: _tracker_dispatch(self, func, types, args, kwargs))
         _push_mode(values)
-        here.values = None
+        here.bypass = True
         try:
-            return self.real_sizes.run(func, args, lambda: _tracker_dispatch(self, func, types, args, kwargs))  # type: ignore[union-attr]
+            return run(func, args, lambda: _tracker_dispatch(self, func, types, args, kwargs))
         finally:
-            here.values = values
+            here.bypass = False
             _pop_mode()
 
     def _new_allocator(self) -> Any:
@@ -128,21 +134,21 @@ class EstimateTracker(UnwrappedDispatch, TensorTracker):
 
     @contextlib.contextmanager
     def copying(self, copies: OutsideCopies) -> Iterator[None]:
-        """While entered (in the calling thread): every op this tracker sees gets ``copies``'s
-        copies of the user's tensors (:meth:`OutsideCopies.arguments`) before anything else, as
-        if ``copies`` were a dispatch mode entered above the tracker; on exit ``copies`` sets back
-        the version counters of the tensors it copied."""
-        here = self._here
+        """While entered: every op this tracker sees gets ``copies``'s copies of the user's tensors
+        (:meth:`OutsideCopies.arguments`) before anything else, as if ``copies`` were a dispatch
+        mode entered above the tracker (in the threads whose stack PyTorch copies from the calling
+        thread's, not in those started meanwhile); on exit ``copies`` sets back the version
+        counters of the tensors it copied."""
         with copies:
-            here.copies = copies
+            self._copies = copies
             try:
                 yield
             finally:
-                here.copies = None
+                self._copies = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        copies = getattr(self._here, "copies", None)
-        if copies is not None:
+        copies = self._copies
+        if copies is not None and not getattr(self._here, "bypass", False):
             args, kwargs = copies.arguments(func, args, kwargs)
         try:
             sizes = self.real_sizes

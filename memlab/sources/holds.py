@@ -32,6 +32,7 @@ Counting = Callable[[Any], None]
 #: What an op's counting is told when the tracker that refused it refused its cuBLAS workspace.
 WORKSPACE = object()
 
+
 class _Here(threading.local):
     """Per thread: ``frames``, one list of held countings per tracker deciding, outermost first."""
 

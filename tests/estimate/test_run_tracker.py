@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
@@ -41,3 +43,23 @@ def test_an_estimate_runs_the_tracker_alone_above_the_fake_mode_and_its_host_val
     assert (estimate.method, estimate.forced_by) == ("fake", None)
     # the real run's blocks (counts, the result) and the estimate's copy of x: 4000 B -> 4096 B
     assert estimate.peak_allocated == tracker.max_memory_allocated() + 4096 == 28672
+
+
+def exp_plus_a_sum_made_in_a_thread(x):
+    sums = []
+    worker = threading.Thread(target=lambda: sums.append((x * 2).sum()))
+    worker.start()
+    worker.join()
+    return x.exp() + sums[0]
+
+
+def test_the_ops_of_a_thread_the_step_starts_are_counted_as_in_a_real_run():
+    x = torch.randn(1000)
+    tracker = memlab.TensorTracker()
+    with tracker:
+        exp_plus_a_sum_made_in_a_thread(x)
+
+    estimate = memlab.estimate(exp_plus_a_sum_made_in_a_thread, x)
+
+    assert (estimate.method, estimate.forced_by) == ("fake", None)
+    assert estimate.peak_allocated == tracker.max_memory_allocated() + 4096 == 12800
