@@ -4,13 +4,17 @@ Compares, on the same small training step (small tensors, so dispatch cost domin
 no mode at all; a pass-through ``TorchDispatchMode`` that only calls the op; memlab's
 ``TensorTracker`` with the CUDA allocator model and in exact mode; and PyTorch's own
 ``torch.distributed._tools.mem_tracker.MemTracker``. Overhead per op is (time with the mode - time
-without any mode) / number of aten ops. Run: ``python benchmarks/bench_tracker.py``.
+without any mode) / number of aten ops; "vs pass-through" divides it by the pass-through mode's
+overhead per op (the issue-27 goal: <= 1.5). CPU time (``time.process_time``), one thread, medians
+of ``--repeats``, every context measured twice, the two rounds interleaved (load drift hits all).
+Run: ``PYTHONPATH=. python benchmarks/bench_tracker.py`` (from the repository root: this checkout's memlab).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 import warnings
@@ -76,11 +80,11 @@ def time_steps(context_factory, steps: int, repeats: int) -> float:
         reset = getattr(context, "reset_mod_stats", lambda: None)
         step()  # warm up: optimizer state, op caches
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = time.process_time()
             for _ in range(steps):
                 reset()
                 step()
-            results.append((time.perf_counter() - start) / steps)
+            results.append((time.process_time() - start) / steps)
     return statistics.median(results)
 
 
@@ -109,21 +113,23 @@ def main() -> None:
         "memlab TensorTracker (exact)": lambda m, o: memlab.TensorTracker(allocator=None),
         "torch MemTracker": mem_tracker,
     }
-    seconds = {name: time_steps(factory, args.steps, args.repeats) for name, factory in contexts.items()}
-    base = seconds["no mode"]
-    passthrough = seconds["pass-through TorchDispatchMode"] - base
-    print(f"training step: {ops} aten ops; torch {torch.__version__}")
-    print(f"{'context':<36}{'us/step':>10}{'us/op overhead':>16}{'vs pass-through':>17}")
-    for name, value in seconds.items():
-        overhead = (value - base) / ops * 1e6
-        ratio = "" if name == "no mode" else f"{(value - base) / passthrough:.2f}x"
-        print(f"{name:<36}{value * 1e6:>10.0f}{overhead:>16.2f}{ratio:>17}")
-    tracker = seconds["memlab TensorTracker (cuda model)"]
-    step_ratio = tracker / seconds["pass-through TorchDispatchMode"]
-    print(f"TensorTracker step time / pass-through step time: {step_ratio:.2f}x")
-    print(
-        f"torch MemTracker step time / TensorTracker step time: {seconds['torch MemTracker'] / tracker:.2f}x"
-    )
+    rounds = [{name: time_steps(factory, args.steps, args.repeats) for name, factory in contexts.items()}]
+    rounds.append({name: time_steps(factory, args.steps, args.repeats) for name, factory in contexts.items()})
+    print(f"training step: {ops} aten ops; torch {torch.__version__}; CPU time, 1 thread")
+    for seconds in rounds:
+        base = seconds["no mode"]
+        passthrough = seconds["pass-through TorchDispatchMode"] - base
+        print(f"{'context':<36}{'us/step':>10}{'us/op overhead':>16}{'vs pass-through':>17}")
+        for name, value in seconds.items():
+            overhead = (value - base) / ops * 1e6
+            ratio = "" if name == "no mode" else f"{(value - base) / passthrough:.2f}x"
+            print(f"{name:<36}{value * 1e6:>10.0f}{overhead:>16.2f}{ratio:>17}")
+        tracker = seconds["memlab TensorTracker (cuda model)"]
+        step_ratio = tracker / seconds["pass-through TorchDispatchMode"]
+        print(f"TensorTracker step time / pass-through step time: {step_ratio:.2f}x")
+        mem_tracker_ratio = seconds["torch MemTracker"] / tracker
+        print(f"torch MemTracker step time / TensorTracker step time: {mem_tracker_ratio:.2f}x")
+    print(f"load average {' '.join(f'{load:.2f}' for load in os.getloadavg())}")
 
 
 if __name__ == "__main__":

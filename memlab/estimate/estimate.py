@@ -238,6 +238,7 @@ def run_estimate(
         kernels=device.type if method == "fake" else None,
         gpu=gpu,
         stacks=stacks,
+        values=values,
     )
     tracker.estimated = HOW[method] + (f", {device.type}'s kernels" if method == "fake" else "")
     kernels = _kernels(device, data_free=method != "cpu", gpu=gpu)
@@ -285,7 +286,7 @@ def run_estimate(
                 copier.release()  # from here on, only what the user's objects hold keeps a copy alive
                 reserved_peaks = []
                 copies = OutsideCopies(method, mode, isolation.tensors, outside, host_scalar)
-                with profiler or contextlib.nullcontext(), copies:
+                with profiler or contextlib.nullcontext(), tracker.copying(copies):
                     isolation.protect()
                     result = None
                     for index in range(steps):

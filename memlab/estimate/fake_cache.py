@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 
+from memlab.estimate.modes import UnwrappedDispatch
+
 __all__ = ["FaithfulFakeTensorMode", "shares_storage_unlike_cache"]
 
 
@@ -58,15 +60,24 @@ def shares_storage_unlike_cache(func: Any, args: Sequence[Any], output: Any) -> 
     return None
 
 
-class FaithfulFakeTensorMode(FakeTensorMode):
+class FaithfulFakeTensorMode(UnwrappedDispatch, FakeTensorMode):
     """A ``FakeTensorMode`` that caches no op result whose outputs share storages in a way a cache
-    hit would not rebuild (see the module docstring); otherwise the same.
+    hit would not rebuild (see the module docstring); otherwise the same, but for its
+    ``__torch_dispatch__``: ``FakeTensorMode.dispatch`` called directly, without the
+    ``torch._disable_dynamo`` wrapper and the call counter ``FakeTensorMode``'s own goes through
+    (:class:`~memlab.estimate.modes.UnwrappedDispatch`: 2-3 % of an estimate's CPU time,
+    ``benchmarks/bench_floor.py``).
 
     ``shape_env_on_demand``: a ``ShapeEnv`` the mode takes when it first needs one and has none (a
     nested jagged tensor's ragged size is a symbol of one): a mode with a ``ShapeEnv`` runs every
     op slower, so one that needs none runs without."""
 
     shape_env_on_demand: Any = None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        return self.dispatch(func, types, args, kwargs)
 
     def create_symbolic_nested_int(self, *, nt_tensor_id: int | None = None) -> Any:
         if self.shape_env is None and self.shape_env_on_demand is not None:

@@ -20,10 +20,9 @@ from typing import Any
 import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memlab._units import format_size
-from memlab.estimate.modes import UnwrappedDispatch
 from memlab.estimate.result import EstimateError
 
 __all__ = ["OutsideCopies", "outside_tensors", "watch_outside"]
@@ -82,9 +81,12 @@ def _check_trainable(tensor: torch.Tensor) -> None:
         )
 
 
-class OutsideCopies(UnwrappedDispatch, TorchDispatchMode):
-    """A dispatch mode, entered above the estimate's tracker, that hands each op copies of the user's
-    tensors in place of the tensors themselves, one copy per tensor for the whole run.
+class OutsideCopies:
+    """What hands each op of an estimate copies of the user's tensors in place of the tensors
+    themselves, one copy per tensor for the whole run: the estimate's tracker calls
+    :meth:`arguments` first thing in its dispatch, in the thread that entered it, while it is
+    entered (:meth:`memlab.estimate.run_tracker.EstimateTracker.copying`), so the estimate runs one
+    Python dispatch mode fewer (a mode of its own above the tracker cost ~3 us per op).
 
     ``method`` is the estimate's: ``"fake"`` (``mode``: its FakeTensorMode; every real tensor an op
     is handed is the user's, since the run's own are fake; its copy is the mode's fake tensor of it,
@@ -95,8 +97,9 @@ class OutsideCopies(UnwrappedDispatch, TorchDispatchMode):
     ``found`` is :func:`watch_outside`'s list: each copied tensor is added to it once.
 
     An in-place op on a user's tensor still bumps its version counter (autograd does, after the op
-    returns from the dispatch modes); on exit each one is set back to its value before the run (the
-    tensor's data is unchanged, so autograd's saved-tensor checks hold as before)."""
+    returns from the dispatch modes); on exit (it is a context manager) each one is set back to
+    its value before the run (the tensor's data is unchanged, so autograd's saved-tensor checks
+    hold as before)."""
 
     def __init__(
         self,
@@ -106,7 +109,6 @@ class OutsideCopies(UnwrappedDispatch, TorchDispatchMode):
         found: list[torch.Tensor],
         host_scalar: Callable[[torch.Tensor], bool],
     ) -> None:
-        super().__init__()
         self._method = method
         self._mode = mode
         self._found = found
@@ -114,24 +116,30 @@ class OutsideCopies(UnwrappedDispatch, TorchDispatchMode):
         self._storages = {id(t.untyped_storage()) for t in user_tensors.values() if _plain(t)}
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}  # before the run
-        self._skip = frozenset(mode.lift_fns) if mode is not None else frozenset()
+        # by id: an OpOverload hashes in Python, and this is asked once per op
+        self._skip = frozenset(map(id, mode.lift_fns)) if mode is not None else frozenset()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func not in self._skip:
-            args = tuple(self._swap(value) for value in args)
-            if kwargs:
-                kwargs = {key: self._swap(value) for key, value in kwargs.items()}
-        return func(*args, **(kwargs or {}))
+    def arguments(self, func: Any, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """``(args, kwargs)`` for the op ``func``, with each of the user's tensors replaced by its copy."""
+        if id(func) in self._skip:
+            return args, kwargs
+        swap = self._swap
+        args = tuple([swap(value) for value in args])
+        if kwargs:
+            kwargs = {key: swap(value) for key, value in kwargs.items()}
+        return args, kwargs
+
+    def __enter__(self) -> OutsideCopies:
+        return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
         changed = [(t, version) for t, version in self._versions.values() if t._version != version]
         if changed:
             tensors, versions = zip(*changed, strict=True)
             torch._C._autograd._unsafe_set_version_counter(tensors, versions)
 
     def _swap(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
+        if type(value) in _PLAIN:  # a subclass (a fake tensor, a DTensor) is never the user's
             return self._copy(value) if self._users(value) else value
         if type(value) in (list, tuple) and value and isinstance(value[0], torch.Tensor):
             swapped = [self._swap(item) for item in value]
@@ -168,6 +176,9 @@ class OutsideCopies(UnwrappedDispatch, TorchDispatchMode):
         return new
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(tensor: torch.Tensor) -> bool:
     """A tensor with a storage of its own: not a subclass (a fake tensor, a DTensor), not nested."""
-    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_nested
+    return type(tensor) in _PLAIN and not tensor.is_nested

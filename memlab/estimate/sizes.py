@@ -328,7 +328,8 @@ CORRECTIONS: tuple[Correction, ...] = (
     )
 )
 
-_BY_OP = {op: correction for correction in CORRECTIONS for op in correction.ops}
+# by id: an OpOverload hashes in Python (the ops stay alive in CORRECTIONS)
+_BY_ID = {id(op): correction for correction in CORRECTIONS for op in correction.ops}
 
 # Sparse tensors made from given parts (or empty by request): their sizes are known, not guessed.
 _SPARSE_FROM_PARTS = {
@@ -370,19 +371,34 @@ class RealSizes:
     def run(self, func: Any, args: tuple[Any, ...], call: Callable[[], Any]) -> Any:
         """``call()`` (the op ``func`` on ``args``, as the tracker runs and counts it), with
         ``func``'s outputs made as its real kernel allocates them."""
-        correction = _BY_OP.get(func)
+        correction = self._correction(func, args)
+        if correction is not None:
+            self.applied.add(correction.name)
+            with _Corrected(func, correction):
+                return call()
+        return self.checked(func, args, call())
+
+    def corrects(self, func: Any, args: tuple[Any, ...]) -> bool:
+        """Whether :meth:`run` answers ``func(*args)`` with a correction's outputs (a dispatch mode
+        entered around ``call()``); else :meth:`run` is ``checked(func, args, call())``."""
+        return self._correction(func, args) is not None
+
+    def checked(self, func: Any, args: tuple[Any, ...], out: Any) -> Any:
+        """``out``, the outputs of ``func(*args)`` that no correction answered, once noted in
+        :attr:`caveats` where they are sparse tensors whose size the run cannot know."""
+        if _has_sparse(out) and func not in _SPARSE_FROM_PARTS:
+            self._name_sparse(func, args, out)
+        return out
+
+    def _correction(self, func: Any, args: tuple[Any, ...]) -> Correction | None:
+        correction = _BY_ID.get(id(func))
         if (
             correction is not None
             and self.kernels in correction.kernels
             and (correction.when is None or correction.when(args))
         ):
-            self.applied.add(correction.name)
-            with _Corrected(func, correction):
-                return call()
-        out = call()
-        if _has_sparse(out) and func not in _SPARSE_FROM_PARTS:
-            self._name_sparse(func, args, out)
-        return out
+            return correction
+        return None
 
     def _name_sparse(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
         """Name ``func`` if it made a sparse tensor with no entries: fake kernels cannot know how

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["WORKSPACE", "held", "holding", "refused_workspace", "settle"]
+__all__ = ["WORKSPACE", "deciding", "held", "holding", "refused_workspace", "settle"]
 
 #: A tracker's counting of one op, given what was refused (``None``: nothing; else the storage
 #: refused, or :data:`WORKSPACE` when the refusal was the op's cuBLAS workspace).
@@ -32,20 +32,21 @@ Counting = Callable[[Any], None]
 #: What an op's counting is told when the tracker that refused it refused its cuBLAS workspace.
 WORKSPACE = object()
 
-_here = threading.local()  # .frames: one list of held countings per tracker deciding, outermost first
+
+class _Here(threading.local):
+    """Per thread: ``frames``, one list of held countings per tracker deciding, outermost first."""
+
+    def __init__(self) -> None:
+        self.frames: list[list[Counting]] = []
 
 
-def _frames() -> list[list[Counting]]:
-    frames = getattr(_here, "frames", None)
-    if frames is None:
-        frames = _here.frames = []
-    return frames
+_here = _Here()
 
 
 @contextlib.contextmanager
 def holding() -> Iterator[list[Counting]]:
     """While the op runs below a tracker that can refuse: the countings held for it (yielded)."""
-    frames = _frames()
+    frames = _here.frames
     frame: list[Counting] = []
     frames.append(frame)
     try:
@@ -54,10 +55,16 @@ def holding() -> Iterator[list[Counting]]:
         frames.pop()
 
 
+def deciding() -> bool:
+    """Whether a tracker of this thread is deciding (an op runs below one that can refuse): a
+    tracker then hands its counting on with :func:`held`, else counts at once (no callable made)."""
+    return bool(_here.frames)
+
+
 def held(counting: Counting) -> bool:
     """Hand ``counting`` to the innermost tracker of this thread that is still deciding; ``False``
     where none is (then count now)."""
-    frames = getattr(_here, "frames", None)
+    frames = _here.frames
     if not frames:
         return False
     frames[-1].append(counting)

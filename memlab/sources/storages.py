@@ -7,6 +7,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memlab._tensors import storages_of
 from memlab.sources.composites import has_composite_kernel
@@ -29,9 +30,10 @@ class StorageRef(weakref.ref):
 class OpKind:
     """What an op's schema says about its outputs, computed once per op."""
 
-    __slots__ = ("aliases", "composite", "fresh", "grows", "resizes_storage", "writes")
+    __slots__ = ("aliases", "composite", "fresh", "func", "grows", "resizes_storage", "workspace", "writes")
 
     def __init__(self, func: Any) -> None:
+        self.func = func
         infos = [ret.alias_info for ret in func._schema.returns]
         self.aliases = any(info is not None for info in infos)
         self.writes = any(info is not None and info.is_write for info in infos)
@@ -41,6 +43,7 @@ class OpKind:
         self.resizes_storage = func._schema.name == "inductor::resize_storage_bytes_"
         # reaches a dispatch mode whole only where autograd is skipped (inference mode)
         self.composite = has_composite_kernel(func)
+        self.workspace = func.overloadpacket in workspace_ops()  # may take a cuBLAS workspace
 
 
 class OpCounting:
@@ -59,8 +62,13 @@ class OpCounting:
                 self._drain()
             if kind.resizes_storage:
                 self._count_resize(args[0].untyped_storage())
-            outputs: list[torch.UntypedStorage] = []
-            collect_storages(out, outputs)
+            # One walk of the outputs; the inputs are walked only for an output that is not counted
+            # yet of an op whose schema says it aliases nothing (to find one it aliases all the same).
+            if type(out) in _PLAIN and out.layout is torch.strided:  # the common case, inline
+                outputs: Any = (out.untyped_storage(),)
+            else:
+                outputs = []
+                collect_storages(out, outputs)
             inputs: set[int] | None = None
             live = self._live
             for storage in outputs:
@@ -79,13 +87,28 @@ class OpCounting:
                     # Some ops alias an input without saying so in their schema (_unsafe_view):
                     # a storage that came in is never new.
                     if inputs is None:
-                        found: list[torch.UntypedStorage] = []
-                        collect_storages((args, tuple(kwargs.values()) if kwargs else ()), found)
-                        inputs = {id(s) for s in found}
+                        inputs = _storage_ids(args, kwargs)
                     if id(storage) not in inputs:
                         self._track(storage)
-            if refused is None and self.allocator is not None and func.overloadpacket in workspace_ops():
+            if refused is None and kind.workspace and self.allocator is not None:
                 self.workspaces.after_op(func, args, kwargs, self._allocate_workspace)  # type: ignore[attr-defined]
+
+
+#: Tensor types whose storage is the tensor's own (strided layout): a fake tensor's is its meta storage.
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+
+
+def _storage_ids(args: Any, kwargs: Any) -> set[int]:
+    """``id`` of the storage of every tensor among an op's arguments (nested in lists and tuples)."""
+    ids = set()
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if type(arg) in _PLAIN and arg.layout is torch.strided:
+            ids.add(id(arg.untyped_storage()))
+        elif isinstance(arg, (torch.Tensor, list, tuple)):
+            found: list[torch.UntypedStorage] = []
+            collect_storages(arg, found)
+            ids.update(map(id, found))
+    return ids
 
 
 def collect_storages(obj: Any, into: list[torch.UntypedStorage]) -> None:

@@ -40,7 +40,7 @@ from memlab.sources.categorising import TrackerCategories
 from memlab.sources.composites import composite_kernel, run_composite
 from memlab.sources.constructors import follow_new_storages
 from memlab.sources.device_memory import ALLOCATORS, OOM_OBSERVERS, TrackerDeviceMemory
-from memlab.sources.holds import held, holding, settle
+from memlab.sources.holds import deciding, held, holding, settle
 from memlab.sources.modules import ModuleRecorder
 from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
@@ -228,7 +228,7 @@ class TensorTracker(
         self._seen: dict[torch.device, None] = {}  # devices of tracked storages, in order
         self._live: dict[int, StorageRef] = {}
         self._pending: deque[StorageRef] = deque()
-        self._kinds: dict[Any, OpKind] = {}
+        self._kinds: dict[int, OpKind] = {}
         self._models: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._hooks: list[Any] = []  # removable handles of the hooks that categorise, while active
@@ -364,10 +364,15 @@ class TensorTracker(
         self._inherited.add(threading.current_thread())
 
     # -- dispatch ---------------------------------------------------------------------------
+    #: What runs an op below the tracker: ``None``, the op itself (the modes below it dispatch it);
+    #: a subclass may set ``below(func, types, args, kwargs)``, which calls the handler of the mode
+    #: below directly (that mode is then off the stack): one Python mode fewer per op.
+    _below: Any = None
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kind = self._kinds.get(func)
-        if kind is None:
-            kind = self._kinds[func] = OpKind(func)
+        kind = self._kinds.get(id(func))  # by id: an OpOverload hashes in Python
+        if kind is None or kind.func is not func:
+            kind = self._kinds[id(func)] = OpKind(func)
         if kind.composite and self._entries and not self._left_behind:
             # Under inference mode: decomposed here, seen as with autograd on (sources/composites.py)
             kernel = composite_kernel(func, args, kwargs)
@@ -375,16 +380,19 @@ class TensorTracker(
                 return run_composite(self, kernel, args, kwargs)
         before = sizes_before(kind.grows, args, kwargs, collect_storages) if kind.grows else None
         if not self._limited:
-            out = func(*args, **(kwargs or {}))
+            below = self._below
+            out = func(*args, **(kwargs or {})) if below is None else below(func, types, args, kwargs)
             if not self._entries or self._left_behind:
                 return out  # exited (out of order, or before a thread it was inherited by ends): never count
-            counting = functools.partial(self._count_op, kind, func, args, kwargs, out, before)
-            if not held(counting):  # a tracker above with a capacity decides first (sources/holds.py)
-                counting(None)
+            if deciding():  # a tracker above with a capacity decides first (sources/holds.py)
+                held(functools.partial(self._count_op, kind, func, args, kwargs, out, before))
+            else:
+                self._count_op(kind, func, args, kwargs, out, before, None)
             return out
         with holding() as frame:
             try:
-                out = func(*args, **(kwargs or {}))
+                below = self._below
+                out = func(*args, **(kwargs or {})) if below is None else below(func, types, args, kwargs)
             except BaseException:
                 settle(frame)
                 raise
