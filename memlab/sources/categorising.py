@@ -113,6 +113,11 @@ class TrackerCategories:
         self._categorise(tensor, categories.ACTIVATION)
         if self.module_recorder is not None:
             self.module_recorder.saved(tensor)
+        if tensor.grad_fn is None:
+            # A leaf (a parameter, an input, a mask that needs no gradient) refers to no node, so
+            # the graph holding it makes no cycle: PyTorch's own SavedVariable keeps such a tensor
+            # itself too. Saves a detach(), an op through every dispatch mode, per such tensor.
+            return tensor
         # Not ``tensor`` itself: a saved output would then hold its own grad_fn, a reference cycle
         # through C++ that gc cannot break (the graph and its activations would never be freed).
         return tensor.detach()
