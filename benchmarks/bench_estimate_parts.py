@@ -3,8 +3,9 @@
 For three small training steps (an MLP, a ``torch.nn`` transformer, a GPT-2-like Hugging Face
 model; AdamW, ``foreach=False`` as on CPU), CPU time (``time.process_time``, one thread) of:
 
-- ``floor``: the step under a bare ``FakeTensorMode`` on fake copies made for it (the copies made
-  outside the timing): what any data-free run costs;
+- ``floor``: fake copies of the model, a fresh AdamW and the batch under a bare ``FakeTensorMode``
+  (``FakeCopyMode``), then the step under it: what any data-free run costs (as
+  ``bench_floor.py`` measures it); ``floor's copies``: the copying alone;
 - ``estimate``: ``memlab.estimate`` of the step as it is;
 - ``estimate, stacks=False``: the same run recording no Python stacks in the history
   (:func:`memlab.estimate.estimate.run_estimate`'s ``stacks``): what the stack walks cost;
@@ -14,7 +15,7 @@ model; AdamW, ``foreach=False`` as on CPU), CPU time (``time.process_time``, one
 - ``estimate of a no-op``: ``memlab.estimate`` of a function that does nothing, given the same
   model, optimizer and batch (copying, adopting, setting up and reading the result);
 - ``copies``: :class:`memlab.estimate.copies.Copier` copying the model, optimizer and batch under
-  the fake mode, alone.
+  the fake mode, alone (what the floor's copies are to the floor).
 
 Each measure is taken ``--repeats`` times (medians), the measures interleaved round by round so
 that load drift hits all of them; the whole run is done twice. Ratios are within one process.
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 import memlab
 from memlab.estimate.copies import Copier, named_objects
@@ -45,7 +46,11 @@ from memlab.sources.categorising import TrackerCategories
 
 def mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+        torch.nn.Linear(64, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
     )
     return model, (torch.randn(16, 64), torch.randint(0, 10, (16,)))
 
@@ -101,24 +106,21 @@ def no_op(model: Any, optimizer: Any, inputs: Any, targets: Any) -> None:
 MODELS = {"mlp": mlp, "transformer": transformer, "gpt2": gpt2}
 
 
-def fake_copies(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> Callable[[], None]:
-    """The step under a bare ``FakeTensorMode``, on copies made now (not timed)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict[int, Any] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        memo[id(tensor)] = mode.from_tensor(tensor)
-        if isinstance(tensor, torch.nn.Parameter):
-            memo[id(tensor)] = torch.nn.Parameter(memo[id(tensor)], tensor.requires_grad)
-    with mode:
-        fake_model = copy.deepcopy(model, memo)
+def floor_copies(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """Fake copies of the model, a fresh AdamW over them and the batch, under one plain
+    ``FakeTensorMode`` (``FakeCopyMode``: what any data-free run must make)."""
+    mode = FakeTensorMode(static_shapes=True)
+    with FakeCopyMode(mode):
+        fake_model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(fake_model.parameters(), lr=1e-3, foreach=False)
-    fake_inputs = [mode.from_tensor(t) for t in inputs]
+    return mode, fake_model, optimizer, [mode.from_tensor(t) for t in inputs]
 
-    def run() -> None:
-        with mode:
-            train_step(fake_model, optimizer, *fake_inputs)
 
-    return run
+def floor(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    """The floor: the copies, then the step under the bare fake mode."""
+    mode, fake_model, optimizer, fake_inputs = floor_copies(model, inputs)
+    with mode:
+        train_step(fake_model, optimizer, *fake_inputs)
 
 
 @contextlib.contextmanager
@@ -147,15 +149,13 @@ def measures(name: str) -> dict[str, Callable[[], Any]]:
     args = (model, optimizer, *inputs)
     device = torch.device("cpu")
 
-    def floor() -> Callable[[], None]:
-        return fake_copies(model, inputs)
-
     def no_pack() -> Any:
         with pack_returns_itself():
             return memlab.estimate(train_step, *args)
 
     return {
-        "floor": floor,  # a factory: the copies are made outside the timing
+        "floor": lambda: floor(model, inputs),
+        "floor's copies": lambda: floor_copies(model, inputs),
         "estimate": lambda: memlab.estimate(train_step, *args),
         "estimate, stacks=False": lambda: run_estimate(train_step, lambda: (args, {}), device, stacks=False),
         "estimate, no pack": no_pack,
@@ -169,9 +169,8 @@ def median_times(name: str, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {label: [] for label in found}
     for round_ in range(repeats + 1):  # the first round warms up (imports, caches)
         for label, fn in found.items():
-            run = fn() if label == "floor" else fn
             start = time.process_time()
-            run()
+            fn()
             elapsed = time.process_time() - start
             if round_:
                 times[label].append(elapsed)
@@ -193,7 +192,7 @@ def main() -> None:
             parts = ", ".join(
                 f"{label} {value * 1e3:.1f} ms ({value / full:.0%})"
                 for label, value in medians.items()
-                if label not in ("floor", "estimate")
+                if label != "estimate"
             )
             print(
                 f"{name} (run {run}): estimate / floor = {full / floor:.2f} "

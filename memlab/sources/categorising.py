@@ -19,7 +19,7 @@ import torch
 from memlab._tensors import check_tensor, unwrap_optimizer
 from memlab.history import categories
 from memlab.history.recorder import Stack
-from memlab.history.series import memory_series
+from memlab.history.series import peak_by_category
 from memlab.sources.allocator.snapshot import allocator_snapshot
 from memlab.sources.storages import collect_storages
 
@@ -240,11 +240,10 @@ class TrackerCategories:
                     f"{history.max_entries}) dropped {history.recorded - len(history)} of "
                     f"{history.recorded} entries; use history=True"
                 )
-            series = memory_series(allocator_snapshot(allocator))
-            peak = dict.fromkeys(categories.CATEGORIES, 0)
-            for name, values in series.by_category.items():
-                peak[name] = values[series.peak] if values else 0
-            return peak
+            # memory_series(allocator_snapshot(allocator)).by_category at its peak, read from the
+            # history's columns without building the snapshot's entries and frames
+            entries = ((action, addr, size, name) for action, addr, size, _, _, name in history.entries())
+            return {**dict.fromkeys(categories.CATEGORIES, 0), **peak_by_category(entries)}
         totals = dict.fromkeys(categories.CATEGORIES, 0)
         for segment in allocator.snapshot():
             for block in segment["blocks"]:
