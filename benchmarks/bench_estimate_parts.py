@@ -17,8 +17,12 @@ model; AdamW, ``foreach=False`` as on CPU), CPU time (``time.process_time``, one
 - ``copies``: :class:`memlab.estimate.copies.Copier` copying the model, optimizer and batch under
   the fake mode, alone (what the floor's copies are to the floor).
 
-Each measure is taken ``--repeats`` times (medians), the measures interleaved round by round so
-that load drift hits all of them; the whole run is done twice. Ratios are within one process.
+First, one estimate counted: its stack walks (and the CPU time of one, measured inside the run at
+the depth of a tracked allocation) and its saved tensors (those with a ``grad_fn`` are detached by
+the pack hook, the rest kept as they are). Then each measure is taken ``--repeats`` times
+(medians), the measures interleaved round by round so that load drift hits all of them; the whole
+run is done twice. Ratios are within one process. ``PYTHONPATH=/path/to/other/checkout`` runs it
+on another memlab (before and after a change).
 Run: ``python benchmarks/bench_estimate_parts.py [--repeats N] [--only mlp|transformer|gpt2]``.
 """
 
@@ -41,6 +45,7 @@ import memlab
 from memlab.estimate.copies import Copier, named_objects
 from memlab.estimate.estimate import run_estimate
 from memlab.estimate.tensor_copies import tensor_copier
+from memlab.sources import device_memory
 from memlab.sources.categorising import TrackerCategories
 
 
@@ -164,6 +169,43 @@ def measures(name: str) -> dict[str, Callable[[], Any]]:
     }
 
 
+def counted(name: str, repeats: int) -> dict[str, float]:
+    """One estimate of ``name``'s step, counting its stack walks and saved tensors, with the CPU
+    time of one walk measured inside it (at the depth of a tracked allocation: ``repeats`` x 200
+    walks at its 20th allocation, the median)."""
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    counts = {"walks": 0, "saved": 0, "saved with a grad_fn": 0}
+    walk_times: list[float] = []
+    walk = device_memory.capture_stack
+
+    def counting_walk() -> Any:
+        counts["walks"] += 1
+        if counts["walks"] == 20:
+            for _ in range(repeats):
+                start = time.process_time()
+                for _ in range(200):
+                    walk()
+                walk_times.append((time.process_time() - start) / 200)
+        return walk()
+
+    pack = TrackerCategories._pack
+
+    def counting_pack(self: Any, tensor: torch.Tensor) -> Any:
+        counts["saved"] += 1
+        counts["saved with a grad_fn"] += tensor.grad_fn is not None
+        return pack(self, tensor)
+
+    memlab.estimate(train_step, model, optimizer, *inputs)  # warm up
+    device_memory.capture_stack, TrackerCategories._pack = counting_walk, counting_pack  # type: ignore[method-assign]
+    try:
+        memlab.estimate(train_step, model, optimizer, *inputs)
+    finally:
+        device_memory.capture_stack, TrackerCategories._pack = walk, pack  # type: ignore[method-assign]
+    return {**counts, "walk s": statistics.median(walk_times)}
+
+
 def median_times(name: str, repeats: int) -> dict[str, float]:
     found = measures(name)
     times: dict[str, list[float]] = {label: [] for label in found}
@@ -186,6 +228,13 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}; loadavg {os.getloadavg()}")
     for name in options.only or list(MODELS):
+        counts = counted(name, options.repeats)
+        walks = counts["walks"] * counts["walk s"]
+        print(
+            f"{name}: {counts['walks']} stack walks per estimate, {counts['walk s'] * 1e6:.2f} us each "
+            f"({walks * 1e3:.2f} ms); {counts['saved']} saved tensors, {counts['saved with a grad_fn']} "
+            f"with a grad_fn (detached by the pack hook; the rest kept as they are)"
+        )
         for run in (1, 2):
             medians = median_times(name, options.repeats)
             floor, full = medians["floor"], medians["estimate"]
