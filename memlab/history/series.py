@@ -186,16 +186,16 @@ def memory_series(
     totals = replay.totals
     peak_entry: dict[str, Any] | None = None
     for entry in _trace(snapshot, device):
-        action = entry["action"]
+        action, addr = entry["action"], entry.get("addr", 0)
         size = entry["size"] if action in _SIZED else entry.get("size", 0)
-        number = replay.apply(action, entry.get("addr", 0), size, entry.get("category"), len(blocks))
+        number = replay.apply(action, addr, size, entry.get("category"), len(blocks))
         if number is None:
             continue
         if action == "alloc":
             if allocations:
-                granted, category, _ = replay.live[entry["addr"]]
+                granted, category, _ = replay.live[addr]
                 blocks.append(
-                    [len(series.allocated), None, granted, entry["size"], category, entry.get("frames") or []]
+                    [len(series.allocated), None, granted, size, category, entry.get("frames") or []]
                 )
         elif number >= 0 and allocations:
             blocks[number][1] = len(series.allocated)
