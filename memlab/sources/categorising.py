@@ -213,8 +213,9 @@ class TrackerCategories:
         Bytes are the modelled allocator's block sizes (with the CUDA model: 512 B blocks, or a
         whole cached block where one is handed out whole). ``at="now"``: the blocks live now
         (``temporary`` is then 0: a live block is never temporary). ``at="peak"``: the blocks
-        live at the highest allocated total since the history began, replayed from the snapshot
-        by :func:`memlab.history.series.memory_series` (the same series ``plot_memory`` draws);
+        live at the highest allocated total since the history began, replayed from the history
+        as :func:`memlab.history.series.memory_series` replays the snapshot (the same series
+        ``plot_memory`` draws: :func:`~memlab.history.series.peak_by_category`);
         categories learnt after the peak count, and ``temporary`` holds the blocks freed without
         another category.
 
