@@ -156,7 +156,7 @@ def test_saved_leaves_are_activations_kept_without_a_detach_and_every_graph_is_f
         scaled = product * x  # saves x only (product is not needed: x needs no gradient)
         assert ops.names == ["ones.default"] * 3 + ["mul.Tensor"] * 2
         y = scaled.exp()  # saves its output, which refers to its own node: detached
-        assert ops.names[5:] == ["exp.default", "detach.default"]
+        assert ops.names[5] == "exp.default" and "detach.default" in ops.names[6:]  # (2.8 detaches too)
         assert (tracker.by_category()["activation"], tracker.memory_allocated()) == (4 * 4096, 6 * 4096)
         del product, scaled, y  # the graph and the output it saved are freed (no reference cycle)
         assert tracker.memory_allocated() == 3 * 4096
