@@ -179,6 +179,7 @@ class AutoBatched:
                     steps=2,
                     capacity=capacity,
                     gpu=gpu,
+                    stacks=False,  # whether it fits is all that is read: no stack walk per allocation
                 )
 
             return completes_under(run, budget) is not None
@@ -193,6 +194,7 @@ class AutoBatched:
                 backward=True,
                 steps=2,
                 gpu=gpu,
+                stacks=False,
             ).peak_reserved
             raise ValueError(
                 f"autobatch: not even a micro-batch of 1 (of {size}) fits in the budget "

@@ -51,7 +51,11 @@ _OWN_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
     for path in (torch.__file__, os.path.dirname(os.path.abspath(__file__)))
 )
-_skipped: dict[CodeType, bool] = {}  # code object -> whether its file is torch's or memlab's
+# id(code object) -> whether its file is torch's or memlab's. Keyed by id: a code object's own
+# hash is computed anew at each call from its bytecode, names and constants (microseconds, the most
+# of a stack walk); the code objects are kept in _codes, so that no id is reused while it is a key.
+_skipped: dict[int, bool] = {}
+_codes: list[CodeType] = []
 
 
 def is_own_file(filename: str) -> bool:
@@ -62,13 +66,17 @@ def is_own_file(filename: str) -> bool:
 
 def is_own_code(code: CodeType) -> bool:
     """:func:`is_own_file` of ``code``'s file, remembered per code object (one dict lookup)."""
-    skip = _skipped.get(code)
+    skip = _skipped.get(id(code))
     if skip is None:
-        skip = _skipped[code] = is_own_file(code.co_filename)
+        skip = _skipped[id(code)] = is_own_file(code.co_filename)
+        _codes.append(code)
     return skip
 
 
 _frames: dict[Frame, Frame] = {}  # every distinct frame, stored once
+# (id(code), f_lasti) -> its frame: the line of an instruction is found by scanning the code's
+# line table from its start (microseconds in a long function); the code is kept by _codes.
+_frames_at: dict[tuple[int, int], Frame] = {}
 _stacks: dict[Stack, Stack] = {}  # every distinct stack, stored once
 
 
@@ -77,15 +85,24 @@ def capture_stack() -> Stack:
     tuples, without frames of torch's or memlab's own files.
 
     Equal stacks are the same tuple object, and equal frames the same tuple, so a history of a
-    long run holds each distinct stack once. Cost: one dict lookup per frame and one per stack.
+    long run holds each distinct stack once. Cost: one dict lookup per frame and one per stack
+    (:func:`is_own_code` inlined: a call per frame was a third of the walk).
     """
     frames: list[Frame] = []
+    skipped, frames_at = _skipped, _frames_at
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if not is_own_code(code):
-            key = (code.co_filename, frame.f_lineno, code.co_name)
-            frames.append(_frames.setdefault(key, key))
+        skip = skipped.get(id(code))
+        if skip is None:
+            skip = is_own_code(code)
+        if not skip:
+            at = (id(code), frame.f_lasti)
+            found = frames_at.get(at)
+            if found is None:
+                key = (code.co_filename, frame.f_lineno, code.co_name)
+                found = frames_at[at] = _frames.setdefault(key, key)
+            frames.append(found)
         frame = frame.f_back
     stack = tuple(frames)
     return _stacks.setdefault(stack, stack)

@@ -5,12 +5,13 @@ draws and what ``TensorTracker.by_category(at="peak")`` reads. Plain Python, no 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from memlab.sources.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, round_size
 
-__all__ = ["Allocation", "MemorySeries", "Segments", "memory_series"]
+__all__ = ["Allocation", "MemorySeries", "Segments", "memory_series", "peak_by_category"]
 
 
 class Allocation(NamedTuple):
@@ -115,6 +116,54 @@ def _trace(snapshot: dict[str, Any], device: int | None) -> list[dict[str, Any]]
     return traces[device]
 
 
+_SIZED = ("alloc", "segment_alloc", "segment_map")  # entries whose size the replay always reads
+
+
+class _Replay:
+    """The running state of a replayed trace: segments, live blocks, allocated and reserved bytes
+    and allocated bytes per category, which :meth:`apply` moves one trace entry on. The one replay
+    that :func:`memory_series` and :func:`peak_by_category` share, so both give the same numbers."""
+
+    def __init__(self) -> None:
+        self.segments = Segments()
+        self.live: dict[int, tuple[int, str, int]] = {}  # block address -> (granted, category, number)
+        self.totals: dict[str, int] = {}
+        self.allocated = 0
+        self.reserved = 0
+
+    def apply(self, action: str, addr: int, size: int, category: str | None, number: int) -> int | None:
+        """Replay one entry (``number``: an ``alloc``'s, given back by the ``free_completed`` of its
+        block). ``None`` for an entry that is no event of the series (segments mapped, frees
+        requested, OOMs); else for an ``alloc`` -1, for a ``free_completed`` the number of the block's
+        ``alloc`` (-1 when a ring buffer dropped it), and -1 for the rest."""
+        if action in ("segment_alloc", "segment_map"):
+            self.segments.add(addr, size)
+            self.reserved += size
+            return None
+        if action == "alloc":
+            category = category or "unknown"
+            granted = self.segments.allocate(addr, size)
+            self.live[addr] = (granted, category, number)
+            self.allocated += granted
+            self.totals[category] = self.totals.get(category, 0) + granted
+            return -1
+        if action == "free_completed":
+            found = self.live.pop(addr, None)
+            if found is None:  # a ring buffer dropped its allocation
+                return -1
+            granted, category, number = found
+            self.segments.release(addr)
+            self.allocated -= granted
+            self.totals[category] -= granted
+            return number
+        if action in ("segment_free", "segment_unmap"):
+            if addr in self.segments.sizes:
+                self.segments.remove(addr)
+                self.reserved -= size
+            return -1
+        return None
+
+
 def memory_series(
     snapshot: dict[str, Any], device: int | None = None, *, allocations: bool = False
 ) -> MemorySeries:
@@ -131,53 +180,52 @@ def memory_series(
     requested bytes). With ``allocations``, :attr:`MemorySeries.allocations` lists every block
     the trace allocated (what :mod:`memlab.history.page` stacks and tabulates).
     """
-    segments = Segments()
-    live: dict[int, tuple[int, str, int]] = {}  # block address -> (granted bytes, category, index)
+    replay = _Replay()
     blocks: list[list[Any]] = []  # with allocations: [start, end, granted, requested, category, frames]
     series = MemorySeries()
-    totals: dict[str, int] = {}
-    allocated = reserved = 0
+    totals = replay.totals
     peak_entry: dict[str, Any] | None = None
     for entry in _trace(snapshot, device):
         action, addr = entry["action"], entry.get("addr", 0)
-        if action in ("segment_alloc", "segment_map"):
-            segments.add(addr, entry["size"])
-            reserved += entry["size"]
+        size = entry["size"] if action in _SIZED else entry.get("size", 0)
+        number = replay.apply(action, addr, size, entry.get("category"), len(blocks))
+        if number is None:
             continue
         if action == "alloc":
-            category = entry.get("category") or "unknown"
-            granted = segments.allocate(addr, entry["size"])
-            live[addr] = (granted, category, len(blocks))
             if allocations:
+                granted, category, _ = replay.live[addr]
                 blocks.append(
-                    [len(series.allocated), None, granted, entry["size"], category, entry.get("frames") or []]
+                    [len(series.allocated), None, granted, size, category, entry.get("frames") or []]
                 )
-            allocated += granted
-            totals[category] = totals.get(category, 0) + granted
-        elif action == "free_completed":
-            if addr in live:  # not when a ring buffer dropped its allocation
-                granted, category, index = live.pop(addr)
-                if allocations:
-                    blocks[index][1] = len(series.allocated)
-                segments.release(addr)
-                allocated -= granted
-                totals[category] -= granted
-        elif action in ("segment_free", "segment_unmap"):
-            if addr in segments.sizes:
-                segments.remove(addr)
-                reserved -= entry["size"]
-        else:
-            continue
+        elif number >= 0 and allocations:
+            blocks[number][1] = len(series.allocated)
         for name in totals.keys() - series.by_category.keys():
             series.by_category[name] = [0] * len(series.allocated)
         for name, values in series.by_category.items():
             values.append(totals[name])
-        if action == "alloc" and (peak_entry is None or allocated > series.allocated[series.peak]):
+        if action == "alloc" and (peak_entry is None or replay.allocated > series.allocated[series.peak]):
             series.peak, peak_entry = len(series.allocated), entry
-        series.allocated.append(allocated)
-        series.reserved.append(reserved)
+        series.allocated.append(replay.allocated)
+        series.reserved.append(replay.reserved)
     if peak_entry is not None and peak_entry.get("frames"):
         frame = peak_entry["frames"][0]
         series.peak_frame = (frame["filename"], frame["line"], frame["name"])
     series.allocations = [Allocation._make(block) for block in blocks]
     return series
+
+
+def peak_by_category(entries: Iterable[tuple[str, int, int, str]]) -> dict[str, int]:
+    """The allocated bytes per category at the peak of a trace given as ``(action, address,
+    size, category)`` entries, oldest first (a :class:`~memlab.history.recorder.History`'s,
+    without building its snapshot): ``memory_series(snapshot).by_category`` at its ``peak``,
+    replayed the same way, for the categories that had a block by then (an empty dict for a
+    trace without an ``alloc``)."""
+    replay = _Replay()
+    totals = replay.totals
+    peak: dict[str, int] = {}
+    highest = -1
+    for action, addr, size, category in entries:
+        if replay.apply(action, addr, size, category, 0) is not None and action == "alloc":
+            if replay.allocated > highest:
+                highest, peak = replay.allocated, dict(totals)
+    return peak

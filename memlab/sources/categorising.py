@@ -19,7 +19,7 @@ import torch
 from memlab._tensors import check_tensor, unwrap_optimizer
 from memlab.history import categories
 from memlab.history.recorder import Stack
-from memlab.history.series import memory_series
+from memlab.history.series import peak_by_category
 from memlab.sources.allocator.snapshot import allocator_snapshot
 from memlab.sources.storages import collect_storages
 
@@ -113,6 +113,11 @@ class TrackerCategories:
         self._categorise(tensor, categories.ACTIVATION)
         if self.module_recorder is not None:
             self.module_recorder.saved(tensor)
+        if tensor.grad_fn is None:
+            # A leaf (a parameter, an input, a mask that needs no gradient) refers to no node, so
+            # the graph holding it makes no cycle: PyTorch's own SavedVariable keeps such a tensor
+            # itself too. Saves a detach(), an op through every dispatch mode, per such tensor.
+            return tensor
         # Not ``tensor`` itself: a saved output would then hold its own grad_fn, a reference cycle
         # through C++ that gc cannot break (the graph and its activations would never be freed).
         return tensor.detach()
@@ -208,8 +213,9 @@ class TrackerCategories:
         Bytes are the modelled allocator's block sizes (with the CUDA model: 512 B blocks, or a
         whole cached block where one is handed out whole). ``at="now"``: the blocks live now
         (``temporary`` is then 0: a live block is never temporary). ``at="peak"``: the blocks
-        live at the highest allocated total since the history began, replayed from the snapshot
-        by :func:`memlab.history.series.memory_series` (the same series ``plot_memory`` draws);
+        live at the highest allocated total since the history began, replayed from the history
+        as :func:`memlab.history.series.memory_series` replays the snapshot (the same series
+        ``plot_memory`` draws: :func:`~memlab.history.series.peak_by_category`);
         categories learnt after the peak count, and ``temporary`` holds the blocks freed without
         another category.
 
@@ -235,11 +241,10 @@ class TrackerCategories:
                     f"{history.max_entries}) dropped {history.recorded - len(history)} of "
                     f"{history.recorded} entries; use history=True"
                 )
-            series = memory_series(allocator_snapshot(allocator))
-            peak = dict.fromkeys(categories.CATEGORIES, 0)
-            for name, values in series.by_category.items():
-                peak[name] = values[series.peak] if values else 0
-            return peak
+            # memory_series(allocator_snapshot(allocator)).by_category at its peak, read from the
+            # history's columns without building the snapshot's entries and frames
+            entries = ((action, addr, size, name) for action, addr, size, _, _, name in history.entries())
+            return {**dict.fromkeys(categories.CATEGORIES, 0), **peak_by_category(entries)}
         totals = dict.fromkeys(categories.CATEGORIES, 0)
         for segment in allocator.snapshot():
             for block in segment["blocks"]:

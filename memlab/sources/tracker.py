@@ -133,8 +133,8 @@ class TensorTracker(
     :meth:`add_optimizer`) name parameters, buffers, gradients and optimizer state; tensors saved
     for backward are activations, seen through a ``saved_tensors_hooks`` pack hook the tracker
     installs while active (only the innermost pair of hooks applies: a user's own hooks, or
-    ``torch.utils.checkpoint``, inside the tracker hide activations from it; autograd then saves
-    detached views of the same storages, so values and gradients are unchanged). With
+    ``torch.utils.checkpoint``, inside the tracker hide activations from it; autograd then keeps
+    leaves as they are and detached views of the rest, so values and gradients are unchanged). With
     ``history`` off none of this runs.
 
     Memory per module (:meth:`by_module`): while the tracker is active and knows a model, PyTorch's

@@ -139,6 +139,30 @@ def test_tensors_saved_for_backward_are_activations_and_freed_intermediates_temp
     del h, y
 
 
+def test_saved_leaves_are_activations_kept_without_a_detach_and_every_graph_is_freed():
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with TensorTracker(history=True) as tracker, Ops() as ops:
+        w, v = torch.ones(1000, requires_grad=True), torch.ones(1000, requires_grad=True)
+        x = torch.ones(1000)  # a leaf that needs no gradient
+        product = w * v  # saves the two leaves as they are: no op besides mul
+        scaled = product * x  # saves x only (product is not needed: x needs no gradient)
+        assert ops.names == ["ones.default"] * 3 + ["mul.Tensor"] * 2
+        y = scaled.exp()  # saves its output, which refers to its own node: detached
+        assert ops.names[5] == "exp.default" and "detach.default" in ops.names[6:]  # (2.8 detaches too)
+        assert (tracker.by_category()["activation"], tracker.memory_allocated()) == (4 * 4096, 6 * 4096)
+        del product, scaled, y  # the graph and the output it saved are freed (no reference cycle)
+        assert tracker.memory_allocated() == 3 * 4096
+    assert tracker.by_category()["activation"] == 3 * 4096
+
+
 def test_categories_need_a_history():
     with TensorTracker() as tracker:
         torch.ones(10)

@@ -183,3 +183,37 @@ def test_a_tracker_entry_carries_the_stack_of_its_allocation():
     assert entries[1]["frames"][0] == {"filename": __file__, "line": line, "name": name}
     own = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(memlab.__file__) + os.sep)
     assert not any(f["filename"].startswith(own) for f in entries[1]["frames"])
+
+
+def test_frames_are_looked_up_by_code_and_instruction_and_each_line_is_its_own():
+    def where() -> tuple:
+        first = capture_stack()[0]
+        second = capture_stack()[0]
+        return first, second
+
+    line = where.__code__.co_firstlineno
+    assert where() == ((__file__, line + 1, "where"), (__file__, line + 2, "where"))
+    assert where()[0] is where()[0]  # the same frame of the same instruction: one interned tuple
+
+
+def test_a_code_object_made_after_another_was_freed_has_frames_of_its_own():
+    # Code objects made and freed one after another often reuse the same address: the walk's
+    # caches are keyed by id, and must never answer for a freed code object.
+    for n in range(20):
+        namespace: dict = {}
+        exec(
+            compile("def made():\n    return capture_stack()\n", f"<made {n}>", "exec"),
+            {"capture_stack": capture_stack},
+            namespace,
+        )
+        stack = namespace.pop("made")()
+        assert stack[0] == (f"<made {n}>", 2, "made")
+        del namespace, stack
+    torch_file = torch.nn.functional.__file__
+    namespace = {}
+    exec(
+        compile("def inside():\n    return capture_stack()\n", torch_file, "exec"),
+        {"capture_stack": capture_stack},
+        namespace,
+    )
+    assert all(frame[0] != torch_file for frame in namespace["inside"]())  # torch's file: left out
