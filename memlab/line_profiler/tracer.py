@@ -24,6 +24,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from memlab.line_profiler.records import DELTA, ENTRY, TIME, ColumnLayout, FunctionRecord
+from memlab.sources.untraced import PAUSABLE, mark_pausable
 
 __all__ = ["Tracer", "end_frames"]
 
@@ -236,6 +237,8 @@ class Tracer:
         trace.memlab_owner = self._owner  # type: ignore[attr-defined]
         trace.memlab_live = live  # type: ignore[attr-defined]
         trace.memlab_previous = previous  # type: ignore[attr-defined]
+        # Alone (chaining no other tool's): the tracker switches it off inside its own dispatch.
+        mark_pausable(trace, previous is None or getattr(previous, PAUSABLE, False))
         return trace
 
     def _parent(self, frame: FrameType) -> TraceFunction | None:
