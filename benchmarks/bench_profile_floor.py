@@ -11,7 +11,8 @@ once) under ``@memlab.profile`` ÷ the same loop unprofiled (goal <= 5). Beside 
 the time goes: a pass-through ``TorchDispatchMode`` (the floor of any Python mode), the tracker
 alone (the ``TensorTracker`` the profiler would enter, entered without tracing), and the tracker
 under a global ``sys.settrace`` callback that returns ``None`` for every frame (the floor of any
-``sys.settrace`` profiler: one Python call per frame).
+``sys.settrace`` profiler: one Python call per frame), also marked as memlab's own trace functions
+are (the tracker switches it off inside its dispatch: :mod:`memlab.sources.untraced`).
 
 Row 3b: the same with a small ``nn.Module`` (2 layers, hidden 64) run forward and backward, where
 memlab's module hooks and saved-tensor hook run besides the dispatch (no goal: recorded).
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlab
 from memlab.line_profiler import global_line_profiler
+from memlab.sources.untraced import mark_pausable
 
 REPEATS = 7
 OPS = 10_000
@@ -68,6 +70,13 @@ class PassThrough(TorchDispatchMode):
 
 def _none(frame: Any, event: str, arg: Any) -> None:
     return None
+
+
+def _none_pausable(frame: Any, event: str, arg: Any) -> None:
+    return None
+
+
+mark_pausable(_none_pausable, True)  # as memlab's own trace function is, when it chains nothing
 
 
 def do_nothing_tracer(code: Any) -> Callable[..., Any]:
@@ -161,6 +170,7 @@ def bench_ops(report: Callable[[str], None], label: str, func: Callable[..., Any
         "pass-through mode": under(PassThrough, plain),
         "tracker": under(lambda: tracker, plain),
         "tracker + settrace(None-returning)": under(lambda: tracker, traced(_none, plain)),
+        "tracker + pausable settrace(None-returning)": under(lambda: tracker, traced(_none_pausable, plain)),
         "@memlab.profile": lambda: wrapper(*args),
     }
     for round_ in (1, 2):

@@ -32,13 +32,15 @@ TraceFunction = Callable[[FrameType, str, Any], Any]
 Sampler = Callable[[], tuple[int, ...]]
 
 
-def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool) -> str:
+def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool, chained: bool) -> str:
     """Python source of ``make_local(...)`` specialised for ``layout`` (see :func:`_local_factory`).
 
     ``nested``: the frame has a profiled caller, to which it posts the highest peaks of its life.
     ``recursive``: a profiled caller up the stack runs the same function; the sums of an interval
     whose row is one an enclosing frame is in (``outer``: the ids of those rows) are already
-    inside that frame's interval, so they are not added again.
+    inside that frame's interval, so they are not added again. ``chained``: another tool's local
+    tracer is called after memlab's work; without one (it cannot appear later: a chained tool that
+    returns ``None`` is not called again) the tracer skips that test on every event.
     """
     n_peaks, n_sums = len(layout.peaks), len(layout.sums)
     n_values = len(layout.sample_keys)
@@ -80,21 +82,20 @@ def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool) -
         return "\n".join("            " + line for line in lines)
 
     life = f"[{', '.join('0' for _ in peaks)}]" if nested else "None"
+    chain = "\n        if other is not None:\n            other = other(frame, event, arg)" if chained else ""
     return f"""
 def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock, parent, outer):
     {starts}, = [start[j] for j in {tuple(summed)!r}]
     life = {life}
 
     def local(frame, event, arg):
-        nonlocal row, other, life, clock, {starts}
+        nonlocal row, {"other, " if chained else ""}life, clock, {starts}
         if event == "line":
             {values} = sample()
 {indent(on_line)}
         elif event == "return":
             {values} = sample()
-{indent(on_return)}
-        if other is not None:
-            other = other(frame, event, arg)
+{indent(on_return)}{chain}
         return local
 
     local.memlab_owner = owner
@@ -106,7 +107,9 @@ def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box,
 """
 
 
-def _local_factory(layout: ColumnLayout, nested: bool, recursive: bool) -> Callable[..., TraceFunction]:
+def _local_factory(
+    layout: ColumnLayout, nested: bool, recursive: bool, chained: bool
+) -> Callable[..., TraceFunction]:
     """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock,
     parent, outer)``.
 
@@ -125,7 +128,7 @@ def _local_factory(layout: ColumnLayout, nested: bool, recursive: bool) -> Calla
     intervals on those rows leave alone (see :func:`_local_factory_source`).
     """
     namespace: dict[str, Any] = {"now": time.perf_counter_ns}
-    source = _local_factory_source(layout, nested, recursive)
+    source = _local_factory_source(layout, nested, recursive, chained)
     exec(compile(source, f"<memlab local tracer {layout.keys}>", "exec"), namespace)
     return namespace["make_local"]
 
@@ -151,8 +154,8 @@ class Tracer:
         self.entry_sample: Sampler | None = None
         self.on_call: Callable[[FrameType], object] | None = None
         self._layout: ColumnLayout | None = None
-        # make_local per (nested, recursive): see _local_factory
-        self._make_local: dict[tuple[bool, bool], Callable[..., TraceFunction]] = {}
+        # make_local per (nested, recursive, chained): see _local_factory
+        self._make_local: dict[tuple[bool, bool, bool], Callable[..., TraceFunction]] = {}
         self._thread_hook: TraceFunction | None = None
         self._thread_hook_live: list[bool] = [False]
         self._previous_thread_hook: TraceFunction | None = None
@@ -173,7 +176,9 @@ class Tracer:
         self.on_call = on_call
         if layout != self._layout:
             self._layout = layout
-            variants = ((False, False), (True, False), (True, True))
+            variants = [
+                (n, r, c) for n, r in ((False, False), (True, False), (True, True)) for c in (False, True)
+            ]
             self._make_local = {variant: _local_factory(layout, *variant) for variant in variants}
         self.sample, self.entry_sample = sample, entry_sample
         self._previous_thread_hook = threading.gettrace()
@@ -278,7 +283,7 @@ class Tracer:
             if above.memlab_rows is rows:  # type: ignore[attr-defined]
                 outer.add(id(above.memlab_state()))  # type: ignore[attr-defined]
             above = above.memlab_parent  # type: ignore[attr-defined]
-        make_local = self._make_local[parent is not None, bool(outer)]
+        make_local = self._make_local[parent is not None, bool(outer), other is not None]
         resumed = frame.f_trace
         if getattr(resumed, "memlab_owner", None) is self._owner and resumed.memlab_rows is rows:  # type: ignore[union-attr]
             # A generator or coroutine resumed: continue the line it stopped on, in a new local
