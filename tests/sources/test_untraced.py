@@ -12,6 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import memlab
 from memlab.sources.untraced import mark_pausable, untraced_dispatch
 
+# Python 3.12+ keeps tracing on (switching it is dearer than the tracing it saves there).
+PAUSES = sys.version_info < (3, 12)
+
 
 class Recording(TorchDispatchMode):
     """A mode that records the thread's trace function inside each dispatch."""
@@ -54,7 +57,7 @@ def _run(trace: Any, mode: TorchDispatchMode, work: Any) -> Any:
 def test_a_pausable_trace_is_off_inside_dispatch_and_back_after() -> None:
     trace, mode = _pausable(), Recording()
     after = _run(trace, mode, lambda: torch.ones(2) + 1)
-    assert mode.seen == [None, None]
+    assert mode.seen == ([None, None] if PAUSES else [trace, trace])
     assert after is trace
 
 
@@ -81,7 +84,7 @@ def test_the_trace_is_back_after_an_exception_in_dispatch() -> None:
         assert sys.gettrace() is trace
     finally:
         sys.settrace(None)
-    assert mode.seen == [None]
+    assert mode.seen == ([None] if PAUSES else [trace])
 
 
 def test_a_tensor_subclass_argument_keeps_the_trace_on() -> None:
@@ -103,7 +106,7 @@ def test_a_mode_below_keeps_the_trace_on() -> None:
     finally:
         sys.settrace(None)
     assert inner.seen == [trace]
-    assert below.seen == [None]  # nothing below it
+    assert below.seen == ([None] if PAUSES else [trace])  # nothing below it
 
 
 @torch.library.custom_op("memlab_test_untraced::twice", mutates_args=())
