@@ -160,3 +160,30 @@ def test_a_trace_function_installed_before_profiling_sees_the_trackers_frames() 
         sys.settrace(None)
     assert "__torch_dispatch__" in seen
     assert "_count_op" in seen
+
+
+def test_under_memlabs_profiler_alone_the_trackers_dispatch_is_untraced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import memlab.sources.tracker as tracker_module
+
+    inside: list[Any] = []
+    held = tracker_module.held
+
+    def spying_held(counting: Any) -> Any:
+        inside.append(sys.gettrace())
+        return held(counting)
+
+    monkeypatch.setattr(tracker_module, "held", spying_held)
+    seen: list[Any] = []
+
+    def work() -> None:
+        seen.append(sys.gettrace())
+        torch.ones(2) + 1
+
+    lp = memlab.LineProfiler(work, source="tracker")
+    lp.runcall(work)
+    memlabs = seen[0]
+    assert getattr(memlabs, "memlab_owner", None) is not None  # memlab's trace function ran work
+    assert inside == ([None, None] if PAUSES else [memlabs, memlabs])
+    assert lp.to_dataframe(work)["hits"].tolist() == [1, 1, 1]
