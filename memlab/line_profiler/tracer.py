@@ -51,14 +51,16 @@ def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool, c
     peaks = range(n_peaks)
     close = ["t = now()"] if layout.timed else []  # fold the sample into the ending interval's row
     if n_peaks:
-        close += ["b = box[0]", "if b is not None:", "    box[0] = None"]
+        close += ["if box[0] is not None:", "    b = box[0]", "    box[0] = None"]
         close += [f"    if b[{i}] > v{i}: v{i} = b[{i}]" for i in peaks]
         close += [f"if v{i} > row[{1 + i}]: row[{1 + i}] = v{i}" for i in peaks]
         if nested:
             close += [f"if v{i} > life[{i}]: life[{i}] = v{i}" for i in peaks]
     close += [f"row[{1 + j}] = v{j}" for j in currents]
-    sums = [f"row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
-    sums += [f"row[{layout.row_index[DELTA]}] += v{summed[-1]} - s{summed[-1]}"]
+    # Most lines allocate nothing: a total that did not move skips the arithmetic and the store.
+    sums = [f"if v{j} != s{j}: row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
+    d = summed[-1]
+    sums += [f"if v{d} != s{d}: row[{layout.row_index[DELTA]}] += v{d} - s{d}"]
     if layout.timed:
         sums += [f"row[{layout.row_index[TIME]}] += t - clock"]
     close += ["if id(row) not in outer:", *("    " + line for line in sums)] if recursive else sums
@@ -144,12 +146,14 @@ def _skip_retired(trace: TraceFunction | None) -> TraceFunction | None:
 class Tracer:
     """Installs memlab's trace functions and turns line events into :class:`LineRecords` rows.
 
-    ``functions`` maps each registered code object to its record; the tracer reads it at every
-    new frame, so functions registered while tracing are picked up at their next call.
+    ``functions`` maps each registered code object to its record and ``co_names`` holds their
+    ``co_name``; the tracer reads both at every new frame, so functions registered while tracing
+    are picked up at their next call.
     """
 
-    def __init__(self, functions: dict[CodeType, FunctionRecord]) -> None:
+    def __init__(self, functions: dict[CodeType, FunctionRecord], co_names: set[str]) -> None:
         self.functions = functions
+        self.co_names = co_names
         self.sample: Sampler | None = None
         self.entry_sample: Sampler | None = None
         self.on_call: Callable[[FrameType], object] | None = None
@@ -226,15 +230,19 @@ class Tracer:
     def _global_trace(
         self, previous: TraceFunction | None, live: list[bool], thread_hook: bool
     ) -> TraceFunction:
-        functions = self.functions
+        functions, co_names = self.functions, self.co_names
         enter = self._enter
 
         def trace(frame: FrameType, event: str, arg: Any) -> Any:
             if live[0]:
-                record = functions.get(frame.f_code)
-                if record is not None:
-                    other = previous(frame, event, arg) if previous is not None else None
-                    return enter(frame, record, other)
+                code = frame.f_code
+                # Equal code objects have equal names; a name's hash is cached, a code object's is
+                # recomputed from its bytecode and constants: most frames stop at the name.
+                if code.co_name in co_names:
+                    record = functions.get(code)
+                    if record is not None:
+                        other = previous(frame, event, arg) if previous is not None else None
+                        return enter(frame, record, other)
             elif thread_hook and sys.gettrace() is trace:
                 sys.settrace(_skip_retired(previous))
             return previous(frame, event, arg) if previous is not None else None
