@@ -1,6 +1,6 @@
 """What ``@memlab.profile`` costs over the code it profiles (issue 27, rows 3 and 5).
 
-Run: ``PYTHONPATH=. python benchmarks/bench_profile_floor.py [3] [3b] [5]`` from the checkout's root
+Run: ``PYTHONPATH=. python benchmarks/bench_profile_floor.py [3] [3b] [3c] [5]`` from the checkout's root
 (CPU only; the header names the memlab imported). Every number is a ratio of CPU times
 (``time.process_time``) measured in this process with one torch thread, the median of
 :data:`REPEATS` runs; each measure runs twice, its variants interleaved run by run so that load
@@ -14,8 +14,10 @@ under a global ``sys.settrace`` callback that returns ``None`` for every frame (
 ``sys.settrace`` profiler: one Python call per frame), also marked as memlab's own trace functions
 are (the tracker switches it off inside its dispatch: :mod:`memlab.sources.untraced`).
 
-Row 3b: the same with a small ``nn.Module`` (2 layers, hidden 64) run forward and backward, where
-memlab's module hooks and saved-tensor hook run besides the dispatch (no goal: recorded).
+Row 3b: the same with a small ``nn.Module`` (2 layers, hidden 64) run forward and backward
+(no goal: recorded). Row 3c: row 3b inside a tracker that records history and memory per module
+(as ``memlab run --by-module`` enters), where memlab's module hooks and saved-tensor hook run
+besides the dispatch (no goal: recorded).
 
 Row 5: one profiled line event of a pure-Python loop with the tracker as source ÷ one line event
 of a ``sys.settrace`` callback that does nothing (goal <= 4).
@@ -165,18 +167,32 @@ def tracker_like_profile() -> memlab.TensorTracker:
     return tracker
 
 
-def bench_ops(report: Callable[[str], None], label: str, func: Callable[..., Any], args: tuple) -> None:
+def bench_ops(
+    report: Callable[[str], None],
+    label: str,
+    func: Callable[..., Any],
+    args: tuple,
+    tracker: memlab.TensorTracker | None = None,
+) -> None:
+    """Row 3's measures of ``func(*args)``; with ``tracker``, the profile runs inside it (as under
+    ``memlab run``, whose tracker the profiler uses), else in the tracker the profiler enters."""
     wrapper = profiled(func)
-    wrapper(*args)
-    tracker = tracker_like_profile()
     plain = lambda: func(*args)  # noqa: E731
+    if tracker is None:
+        wrapper(*args)
+        tracker = tracker_like_profile()
+        profile = lambda: wrapper(*args)  # noqa: E731
+    else:
+        with tracker:
+            wrapper(*args)
+        profile = under(lambda: tracker, lambda: wrapper(*args))
     variants = {
         "unprofiled": plain,
         "pass-through mode": under(PassThrough, plain),
         "tracker": under(lambda: tracker, plain),
         "tracker + settrace(None-returning)": under(lambda: tracker, traced(_none, plain)),
         "tracker + pausable settrace(None-returning)": under(lambda: tracker, traced(_none_pausable, plain)),
-        "@memlab.profile": lambda: wrapper(*args),
+        "@memlab.profile": profile,
     }
     if mark_pausable is None:
         del variants["tracker + pausable settrace(None-returning)"]
@@ -200,6 +216,15 @@ def bench_row3b(report: Callable[[str], None]) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     x = torch.randn(4, 64)
     bench_ops(report, "row 3b (200 forward+backward of a 2-layer MLP)", module_steps, (model, x, 200))
+
+
+def bench_row3c(report: Callable[[str], None]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    x = torch.randn(4, 64)
+    tracker = memlab.TensorTracker(adopt=True, history=True, modules=True)  # memlab run --by-module
+    label = "row 3c (row 3b in a tracker with history and modules, as memlab run --by-module)"
+    bench_ops(report, label, module_steps, (model, x, 200), tracker)
 
 
 def bench_row5(report: Callable[[str], None]) -> None:
@@ -232,7 +257,7 @@ def main() -> None:
         f"Python {sys.version.split()[0]}, torch {torch.__version__}, memlab from {memlab.__file__}, {load()}"
     )
     only = sys.argv[1:]
-    for name, bench in (("3", bench_row3), ("3b", bench_row3b), ("5", bench_row5)):
+    for name, bench in (("3", bench_row3), ("3b", bench_row3b), ("3c", bench_row3c), ("5", bench_row5)):
         if not only or name in only:
             bench(report)
 

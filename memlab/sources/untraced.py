@@ -6,7 +6,8 @@ runs: under a line profiler, each op the tracker counts would pay one such call 
 the tracker itself costs. memlab's line profiler marks its trace functions (:func:`mark_pausable`)
 when they chain no other tool's; :func:`untraced_dispatch` then switches the thread's trace off
 for the duration of one ``__torch_dispatch__`` call and restores it before returning, also on an
-exception, so the next line of the user's code is traced as before.
+exception, so the next line of the user's code is traced as before. :func:`untraced` does the same
+for the hooks memlab installs in PyTorch (module, gradient and optimizer hooks).
 
 Nothing a profile shows changes: a line's numbers are sampled at the line events of registered
 frames, never inside an op, and the frames paused are memlab's and torch's (the dispatch, and the
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PAUSABLE", "mark_pausable", "untraced_dispatch"]
+__all__ = ["PAUSABLE", "mark_pausable", "untraced", "untraced_dispatch"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,6 +82,31 @@ def untraced_dispatch(dispatch: F) -> F:
         settrace(None)
         try:
             return dispatch(self, func, types, args, kwargs)
+        finally:
+            if gettrace() is None:  # a trace function installed meanwhile stays
+                settrace(trace)
+
+    return run  # type: ignore[return-value]
+
+
+def untraced(hook: F) -> F:
+    """Wrap one of memlab's hooks that PyTorch calls from the user's code (module hooks, gradient
+    hooks, an optimizer's step hook) so that it runs with the thread's trace function switched off
+    when that is memlab's line profiler's alone; it is back before the hook returns or raises. A
+    hook runs only memlab's and torch's Python (the ops it runs go through the tracker's dispatch).
+    On Python 3.12 and later it returns ``hook`` itself (see the module docstring)."""
+    if sys.version_info >= (3, 12):
+        return hook
+    gettrace, settrace = sys.gettrace, sys.settrace
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        trace = gettrace()
+        if trace is None or not getattr(trace, PAUSABLE, False):
+            return hook(*args, **kwargs)
+        settrace(None)
+        try:
+            return hook(*args, **kwargs)
         finally:
             if gettrace() is None:  # a trace function installed meanwhile stays
                 settrace(trace)

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlab
-from memlab.sources.untraced import mark_pausable, untraced_dispatch
+from memlab.sources.untraced import mark_pausable, untraced, untraced_dispatch
 
 # Python 3.12+ keeps tracing on (switching it is dearer than the tracing it saves there).
 PAUSES = sys.version_info < (3, 12)
@@ -165,16 +165,14 @@ def test_a_trace_function_installed_before_profiling_sees_the_trackers_frames() 
 def test_under_memlabs_profiler_alone_the_trackers_dispatch_is_untraced(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import memlab.sources.tracker as tracker_module
-
     inside: list[Any] = []
-    held = tracker_module.held
+    count_op = memlab.TensorTracker._count_op
 
-    def spying_held(counting: Any) -> Any:
+    def spying_count_op(self: Any, *args: Any) -> Any:
         inside.append(sys.gettrace())
-        return held(counting)
+        return count_op(self, *args)
 
-    monkeypatch.setattr(tracker_module, "held", spying_held)
+    monkeypatch.setattr(memlab.TensorTracker, "_count_op", spying_count_op)
     seen: list[Any] = []
 
     def work() -> None:
@@ -187,3 +185,65 @@ def test_under_memlabs_profiler_alone_the_trackers_dispatch_is_untraced(
     assert getattr(memlabs, "memlab_owner", None) is not None  # memlab's trace function ran work
     assert inside == ([None, None] if PAUSES else [memlabs, memlabs])
     assert lp.to_dataframe(work)["hits"].tolist() == [1, 1, 1]
+
+
+def test_a_hook_runs_untraced_under_a_pausable_trace_and_restores_it() -> None:
+    seen: list[Any] = []
+
+    @untraced
+    def hook(value: int, fail: bool = False) -> int:
+        seen.append(sys.gettrace())
+        if fail:
+            raise ValueError("hook failed")
+        return value + 1
+
+    trace = _pausable()
+    sys.settrace(trace)
+    try:
+        assert hook(1) == 2
+        with pytest.raises(ValueError, match="hook failed"):
+            hook(1, fail=True)
+        after = sys.gettrace()
+    finally:
+        sys.settrace(None)
+    sys.settrace(_trace)
+    try:
+        hook(1)
+    finally:
+        sys.settrace(None)
+    assert after is trace
+    assert seen == ([None, None] if PAUSES else [trace, trace]) + [_trace]
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).relu())
+
+
+def test_the_module_hooks_run_untraced_under_memlabs_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memlab.sources.modules import ModuleRecorder
+
+    inside: list[Any] = []
+    sample = ModuleRecorder._sample
+
+    def spying_sample(self: Any) -> Any:
+        inside.append(sys.gettrace())
+        return sample(self)
+
+    monkeypatch.setattr(ModuleRecorder, "_sample", spying_sample)
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(2, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    lp = memlab.LineProfiler(step)
+    with memlab.TensorTracker(model=model) as tracker:
+        lp.runcall(step)
+    assert len(inside) > 1  # the recorder's start, then its hooks
+    assert all(seen is None for seen in inside) or not PAUSES
+    assert sorted(tracker.by_module().index) == ["", "first", "second"]
