@@ -128,7 +128,7 @@ class LineProfiler(ByCountProfilerMixin):
         self._records = LineRecords(ColumnLayout(recorded or DEFAULT_COLUMNS))
         self._shown = asked or DEFAULT_COLUMNS  # what display() shows by default: what was asked for
         self._wanted = self._records.layout
-        self._tracer = Tracer(self._records.functions)
+        self._tracer = Tracer(self._records.functions, self._records.co_names)
         self._lock = threading.RLock()
         self._threads = threading.local()
         self._sessions = 0

@@ -305,6 +305,9 @@ class LineRecords:
     def __init__(self, layout: ColumnLayout) -> None:
         self.layout = layout
         self.functions: dict[CodeType, FunctionRecord] = {}
+        #: The ``co_name`` of every registered code object: the tracer's first test at each new
+        #: frame (a code object hashes its bytecode and constants at every lookup, a name once).
+        self.co_names: set[str] = set()
         #: The memory source of the latest session: its ``describe()`` says where numbers come from.
         self.source: Any = None
 
@@ -313,6 +316,7 @@ class LineRecords:
         record = self.functions.get(code)
         if record is None:
             record = self.functions[code] = FunctionRecord(code, self.layout)
+            self.co_names.add(code.co_name)
         return record
 
     def relayout(self, layout: ColumnLayout) -> None:

@@ -24,6 +24,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from memlab.line_profiler.records import DELTA, ENTRY, TIME, ColumnLayout, FunctionRecord
+from memlab.sources.untraced import PAUSABLE, mark_pausable
 
 __all__ = ["Tracer", "end_frames"]
 
@@ -31,13 +32,15 @@ TraceFunction = Callable[[FrameType, str, Any], Any]
 Sampler = Callable[[], tuple[int, ...]]
 
 
-def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool) -> str:
+def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool, chained: bool) -> str:
     """Python source of ``make_local(...)`` specialised for ``layout`` (see :func:`_local_factory`).
 
     ``nested``: the frame has a profiled caller, to which it posts the highest peaks of its life.
     ``recursive``: a profiled caller up the stack runs the same function; the sums of an interval
     whose row is one an enclosing frame is in (``outer``: the ids of those rows) are already
-    inside that frame's interval, so they are not added again.
+    inside that frame's interval, so they are not added again. ``chained``: another tool's local
+    tracer is called after memlab's work; without one (it cannot appear later: a chained tool that
+    returns ``None`` is not called again) the tracer skips that test on every event.
     """
     n_peaks, n_sums = len(layout.peaks), len(layout.sums)
     n_values = len(layout.sample_keys)
@@ -48,14 +51,16 @@ def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool) -
     peaks = range(n_peaks)
     close = ["t = now()"] if layout.timed else []  # fold the sample into the ending interval's row
     if n_peaks:
-        close += ["b = box[0]", "if b is not None:", "    box[0] = None"]
+        close += ["if box[0] is not None:", "    b = box[0]", "    box[0] = None"]
         close += [f"    if b[{i}] > v{i}: v{i} = b[{i}]" for i in peaks]
         close += [f"if v{i} > row[{1 + i}]: row[{1 + i}] = v{i}" for i in peaks]
         if nested:
             close += [f"if v{i} > life[{i}]: life[{i}] = v{i}" for i in peaks]
     close += [f"row[{1 + j}] = v{j}" for j in currents]
-    sums = [f"row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
-    sums += [f"row[{layout.row_index[DELTA]}] += v{summed[-1]} - s{summed[-1]}"]
+    # Most lines allocate nothing: a total that did not move skips the arithmetic and the store.
+    sums = [f"if v{j} != s{j}: row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
+    d = summed[-1]
+    sums += [f"if v{d} != s{d}: row[{layout.row_index[DELTA]}] += v{d} - s{d}"]
     if layout.timed:
         sums += [f"row[{layout.row_index[TIME]}] += t - clock"]
     close += ["if id(row) not in outer:", *("    " + line for line in sums)] if recursive else sums
@@ -79,21 +84,20 @@ def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool) -
         return "\n".join("            " + line for line in lines)
 
     life = f"[{', '.join('0' for _ in peaks)}]" if nested else "None"
+    chain = "\n        if other is not None:\n            other = other(frame, event, arg)" if chained else ""
     return f"""
 def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock, parent, outer):
     {starts}, = [start[j] for j in {tuple(summed)!r}]
     life = {life}
 
     def local(frame, event, arg):
-        nonlocal row, other, life, clock, {starts}
+        nonlocal row, {"other, " if chained else ""}life, clock, {starts}
         if event == "line":
             {values} = sample()
 {indent(on_line)}
         elif event == "return":
             {values} = sample()
-{indent(on_return)}
-        if other is not None:
-            other = other(frame, event, arg)
+{indent(on_return)}{chain}
         return local
 
     local.memlab_owner = owner
@@ -105,7 +109,9 @@ def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box,
 """
 
 
-def _local_factory(layout: ColumnLayout, nested: bool, recursive: bool) -> Callable[..., TraceFunction]:
+def _local_factory(
+    layout: ColumnLayout, nested: bool, recursive: bool, chained: bool
+) -> Callable[..., TraceFunction]:
     """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock,
     parent, outer)``.
 
@@ -124,7 +130,7 @@ def _local_factory(layout: ColumnLayout, nested: bool, recursive: bool) -> Calla
     intervals on those rows leave alone (see :func:`_local_factory_source`).
     """
     namespace: dict[str, Any] = {"now": time.perf_counter_ns}
-    source = _local_factory_source(layout, nested, recursive)
+    source = _local_factory_source(layout, nested, recursive, chained)
     exec(compile(source, f"<memlab local tracer {layout.keys}>", "exec"), namespace)
     return namespace["make_local"]
 
@@ -140,18 +146,20 @@ def _skip_retired(trace: TraceFunction | None) -> TraceFunction | None:
 class Tracer:
     """Installs memlab's trace functions and turns line events into :class:`LineRecords` rows.
 
-    ``functions`` maps each registered code object to its record; the tracer reads it at every
-    new frame, so functions registered while tracing are picked up at their next call.
+    ``functions`` maps each registered code object to its record and ``co_names`` holds their
+    ``co_name``; the tracer reads both at every new frame, so functions registered while tracing
+    are picked up at their next call.
     """
 
-    def __init__(self, functions: dict[CodeType, FunctionRecord]) -> None:
+    def __init__(self, functions: dict[CodeType, FunctionRecord], co_names: set[str]) -> None:
         self.functions = functions
+        self.co_names = co_names
         self.sample: Sampler | None = None
         self.entry_sample: Sampler | None = None
         self.on_call: Callable[[FrameType], object] | None = None
         self._layout: ColumnLayout | None = None
-        # make_local per (nested, recursive): see _local_factory
-        self._make_local: dict[tuple[bool, bool], Callable[..., TraceFunction]] = {}
+        # make_local per (nested, recursive, chained): see _local_factory
+        self._make_local: dict[tuple[bool, bool, bool], Callable[..., TraceFunction]] = {}
         self._thread_hook: TraceFunction | None = None
         self._thread_hook_live: list[bool] = [False]
         self._previous_thread_hook: TraceFunction | None = None
@@ -172,7 +180,9 @@ class Tracer:
         self.on_call = on_call
         if layout != self._layout:
             self._layout = layout
-            variants = ((False, False), (True, False), (True, True))
+            variants = [
+                (n, r, c) for n, r in ((False, False), (True, False), (True, True)) for c in (False, True)
+            ]
             self._make_local = {variant: _local_factory(layout, *variant) for variant in variants}
         self.sample, self.entry_sample = sample, entry_sample
         self._previous_thread_hook = threading.gettrace()
@@ -220,15 +230,19 @@ class Tracer:
     def _global_trace(
         self, previous: TraceFunction | None, live: list[bool], thread_hook: bool
     ) -> TraceFunction:
-        functions = self.functions
+        functions, co_names = self.functions, self.co_names
         enter = self._enter
 
         def trace(frame: FrameType, event: str, arg: Any) -> Any:
             if live[0]:
-                record = functions.get(frame.f_code)
-                if record is not None:
-                    other = previous(frame, event, arg) if previous is not None else None
-                    return enter(frame, record, other)
+                code = frame.f_code
+                # Equal code objects have equal names; a name's hash is cached, a code object's is
+                # recomputed from its bytecode and constants: most frames stop at the name.
+                if code.co_name in co_names:
+                    record = functions.get(code)
+                    if record is not None:
+                        other = previous(frame, event, arg) if previous is not None else None
+                        return enter(frame, record, other)
             elif thread_hook and sys.gettrace() is trace:
                 sys.settrace(_skip_retired(previous))
             return previous(frame, event, arg) if previous is not None else None
@@ -236,6 +250,8 @@ class Tracer:
         trace.memlab_owner = self._owner  # type: ignore[attr-defined]
         trace.memlab_live = live  # type: ignore[attr-defined]
         trace.memlab_previous = previous  # type: ignore[attr-defined]
+        # Alone (chaining no other tool's): the tracker switches it off inside its own dispatch.
+        mark_pausable(trace, previous is None or getattr(previous, PAUSABLE, False))
         return trace
 
     def _parent(self, frame: FrameType) -> TraceFunction | None:
@@ -275,7 +291,7 @@ class Tracer:
             if above.memlab_rows is rows:  # type: ignore[attr-defined]
                 outer.add(id(above.memlab_state()))  # type: ignore[attr-defined]
             above = above.memlab_parent  # type: ignore[attr-defined]
-        make_local = self._make_local[parent is not None, bool(outer)]
+        make_local = self._make_local[parent is not None, bool(outer), other is not None]
         resumed = frame.f_trace
         if getattr(resumed, "memlab_owner", None) is self._owner and resumed.memlab_rows is rows:  # type: ignore[union-attr]
             # A generator or coroutine resumed: continue the line it stopped on, in a new local

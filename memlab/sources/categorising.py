@@ -22,6 +22,7 @@ from memlab.history.recorder import Stack
 from memlab.history.series import peak_by_category
 from memlab.sources.allocator.snapshot import allocator_snapshot
 from memlab.sources.storages import collect_storages
+from memlab.sources.untraced import untraced
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -98,10 +99,12 @@ class TrackerCategories:
         self._categorise_optimizer(optimizer)
         self._hooks.append(optimizer.register_step_post_hook(self._step_hook))
 
+    @untraced
     def _gradient_hook(self, param: torch.Tensor) -> None:
         if param.grad is not None:
             self._categorise(param.grad, categories.GRADIENT)
 
+    @untraced
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._categorise_optimizer(optimizer)
 

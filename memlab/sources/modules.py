@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from memlab._tensors import storages_of
 from memlab.sources.module_paths import ModulePaths
 from memlab.sources.module_table import ModuleRow, ModuleTable
+from memlab.sources.untraced import untraced
 
 __all__ = ["ModuleRecord", "ModuleRecorder"]
 
@@ -204,6 +205,7 @@ class ModuleRecorder:
         return next((run for run in reversed(self._open) if not run.backward and run.thread == me), None)
 
     # -- forward -------------------------------------------------------------------------------
+    @untraced
     def _forward_begins(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if not self.active or torch.compiler.is_compiling() or not self._tracker.counts_this_thread():
             return
@@ -228,6 +230,7 @@ class ModuleRecorder:
                     call.handles.append(tensor.register_hook(self._input_hook(call, index)))
                 self._calls.add(call)
 
+    @untraced
     def _forward_ends(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.active or torch.compiler.is_compiling():
             return
@@ -252,6 +255,7 @@ class ModuleRecorder:
 
     # -- backward ------------------------------------------------------------------------------
     def _output_hook(self, call: _Call) -> Callable[[torch.Tensor], None]:
+        @untraced
         def begins(grad: torch.Tensor) -> None:
             task = torch._C._current_graph_task_id()
             if not self.active or call.task == task:
@@ -269,6 +273,7 @@ class ModuleRecorder:
         return begins
 
     def _input_hook(self, call: _Call, index: int) -> Callable[[torch.Tensor], None]:
+        @untraced
         def ends(grad: torch.Tensor) -> None:
             if not self.active or call.run is None or call.task != torch._C._current_graph_task_id():
                 return
@@ -283,6 +288,7 @@ class ModuleRecorder:
 
         return ends
 
+    @untraced
     def _backward_done(self) -> None:
         """The end of a backward pass: the backward of every module still running ends here
         (those whose inputs need no gradient, or whose inputs' gradients were not all computed)."""

@@ -46,6 +46,7 @@ from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
 from memlab.sources.storages import OpCounting, OpKind, StorageRef, collect_storages, unpack
 from memlab.sources.threads import follow_new_threads, unreachable_threads
+from memlab.sources.untraced import untraced_dispatch
 from memlab.sources.workspaces import CublasWorkspaces
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
@@ -369,6 +370,7 @@ class TensorTracker(
     #: below directly (that mode is then off the stack): one Python mode fewer per op.
     _below: Any = None
 
+    @untraced_dispatch  # a line profiler's trace is off in here (sources/untraced.py)
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kind = self._kinds.get(id(func))  # by id: an OpOverload hashes in Python
         if kind is None or kind.func is not func:
