@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_estimate import train_step  # the training step every estimate benchmark times
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 import memlab
@@ -93,15 +94,6 @@ class Gpt2(torch.nn.Module):
 
 def gpt2() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     return Gpt2(), (torch.randint(0, 512, (4, 32)), torch.randint(0, 512, (4, 32)))
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: Any, targets: Any) -> Any:
-    optimizer.zero_grad()
-    out = model(inputs)
-    loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def no_op(model: Any, optimizer: Any, inputs: Any, targets: Any) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_estimate import train_step  # the training step every estimate benchmark times
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
 import memlab
@@ -110,15 +111,6 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], tuple[torch.
     "lstm": (LSTM, _tokens),
     "gpt2": (GPT2Like, _tokens),
 }
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: Any, targets: Any) -> Any:
-    optimizer.zero_grad()
-    out = model(inputs)
-    loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
-    loss.backward()
-    optimizer.step()
-    return loss
 
 
 def floor_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: Any, targets: Any) -> float:
