@@ -20,14 +20,16 @@ from typing import Any
 
 from memlab.line_profiler.records import DELTA, TIME, ColumnLayout
 
-__all__ = ["counted", "local_factory"]
+__all__ = ["Counting", "counted", "local_factory", "samplers"]
 
 TraceFunction = Callable[..., Any]
 Sampler = Callable[[], tuple[int, ...]]
+#: ``(table, pending, flush)``: see :func:`counted`.
+Counting = tuple[Any, Any, Callable[[], object]]
 
 _HEAD = """
 def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock, parent, outer,
-               table, pending, entry_sample, seen, current):
+               table, pending, flush, seen):
     {starts}, = [start[j] for j in {summed!r}]
     life = {life}"""
 _TAIL = """
@@ -40,16 +42,37 @@ _TAIL = """
 """
 
 
-def counted(sample: Sampler) -> tuple[Any, Any] | None:
-    """``(table, pending)`` where ``sample`` can say that nothing moved: a
+def counted(sample: Sampler) -> Counting | None:
+    """``(table, pending, flush)`` where ``sample`` can say that nothing moved: a
     :class:`~memlab.sources.allocator.stats.StatTable`'s sampler (a ``TensorTracker``'s) carries
     ``memlab_changes``, an object whose ``changes`` the allocator model bumps after every change to
-    a statistic, and ``memlab_pending``, the releases queued until the next sample. ``None`` for any
-    other sampler (CUDA's has to read its statistics to know): the tracer samples every event."""
+    a statistic, ``memlab_pending``, the releases queued until they are applied, and
+    ``memlab_flush``, which applies them. ``None`` for any other sampler (CUDA's has to read its
+    statistics to know): the tracer samples at every event."""
     table = getattr(sample, "memlab_changes", None)
     if table is None:
         return None
-    return table, getattr(sample, "memlab_pending", ())
+    return table, getattr(sample, "memlab_pending", ()), getattr(sample, "memlab_flush", None) or _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def samplers(
+    make: Callable[[tuple[str, ...]], Sampler], layout: ColumnLayout
+) -> tuple[Sampler, Sampler, Counting | None]:
+    """``(sample, entry_sample, counting)`` for a session, ``make(keys)`` making a source's sampler.
+
+    ``entry_sample`` reads the current values behind the peak columns (:attr:`ColumnLayout.entry_keys`),
+    ``sample`` the layout's :attr:`ColumnLayout.sample_keys`; where the source counts its changes
+    (``counting``, see :func:`counted`), ``sample`` reads the entry keys after them too: a line
+    event where nothing moved reads its peaks as those current values (see :func:`local_source`).
+    """
+    entry_sample = make(layout.entry_keys)
+    counting = counted(entry_sample)
+    keys = layout.sample_keys if counting is None else (*layout.sample_keys, *layout.entry_keys)
+    return make(keys), entry_sample, counting
 
 
 def _indented(lines: list[str], depth: int = 1) -> list[str]:
@@ -63,7 +86,7 @@ class _Pieces:
         n_peaks, n_sums = len(layout.peaks), len(layout.sums)
         self.nested, self.recursive = nested, recursive
         self.peaks = range(n_peaks)
-        n_values = len(layout.sample_keys)
+        self.n_values = n_values = len(layout.sample_keys)
         self.values = ", ".join(f"v{j}" for j in range(n_values)) + ("," if n_values == 1 else "")
         self.summed = [*range(n_peaks, n_peaks + n_sums), layout.delta_index]
         self.currents = range(n_peaks + n_sums, n_peaks + n_sums + len(layout.currents))
@@ -136,28 +159,27 @@ def _sampling_source(p: _Pieces, chained: bool) -> str:
 def _counting_source(p: _Pieces, chained: bool) -> str:
     """``local`` for the common event, ``handle`` for the others (see :func:`local_source`)."""
     n_peaks = len(p.peaks)
-    cs = ", ".join(f"c{i}" for i in p.peaks) + ("," if n_peaks == 1 else "")
-    # Nothing moved since the last sample: its values, peaks read as the current values then.
+    cs = "".join(f", c{i}" for i in p.peaks)
+    # Nothing moved since the last sample: its values, each peak read as its current value then.
     still = list(p.now)
     if n_peaks:
-        still += ["if c0 is None:", f"    {cs} = entry_sample()"]
         still += ["if box[0] is None:", *_indented(p.fold("c"))]
         still += ["else:", "    b = box[0]", "    box[0] = None"]
         still += [f"    v{i} = b[{i}] if b[{i}] > c{i} else c{i}" for i in p.peaks]
         still += _indented(p.fold("v"))
     still += [f"row[{1 + j}] = k{j}" for j in p.currents]
-    still += p.outside(p.timing)
-    sampled = ["seen = table.changes", f"{p.values} = sample()"]
-    sampled += ["c0 = None", "box[1] = None"] if n_peaks else ["box[1] = seen"]
+    still += [*p.outside(p.timing), "box[1] = seen"]
+    sampled = ["if pending:", "    flush()", "seen = table.changes"]
+    sampled += [f"{p.values.rstrip(',')}{cs}, = sample()"]
     sampled += [f"k{j} = v{j}" for j in p.currents]
+    sampled += [*p.close, "box[1] = seen"]  # close emptied the box
 
-    def split(unmoved: list[str], moved: list[str]) -> list[str]:
-        return ["if table.changes == seen and not pending:", *_indented(unmoved), "else:", *_indented(moved)]
+    def split(moved: list[str]) -> list[str]:
+        return ["if table.changes == seen and not pending:", *_indented(still), "else:", *_indented(moved)]
 
-    on_line = split([*still, "box[1] = seen"], [*sampled, *p.close, *(f"s{j} = v{j}" for j in p.summed)])
-    on_return = split(still or ["pass"], [*sampled, *p.close]) + p.posted
+    on_line = split([*sampled, *(f"s{j} = v{j}" for j in p.summed)])
     handle = ['if event == "line":', *_indented(on_line + p.open_row)]
-    handle += ['elif event == "return":', *_indented(on_return)]
+    handle += ['elif event == "return":', *_indented(split(sampled) + p.posted)]
     fast = [*p.now, *p.fold("c"), *(f"row[{1 + j}] = k{j}" for j in p.currents), *p.outside(p.timing)]
     local = [
         'if event == "line" and box[1] == table.changes and not pending:',
@@ -167,16 +189,15 @@ def _counting_source(p: _Pieces, chained: bool) -> str:
         *(["if other is not None:", "    other = other(frame, event, arg)"] if chained else []),
         "return local",
     ]
-    state = ["row", "life", "clock", p.starts, "seen"]
+    state = ["row", "life", "clock", p.starts, "seen", *(f"c{i}" for i in p.peaks)]
+    state += [f"k{j}" for j in p.currents]
     prologue = []
-    if n_peaks:
-        prologue += [f"{cs} = current if current is not None else {(None,) * n_peaks!r}"]
-        state += [f"c{i}" for i in p.peaks]
+    if n_peaks:  # the current values behind the peaks, sampled after the layout's keys
+        prologue += [f"{cs[2:]}, = start[{p.n_values}:]"]
     if len(p.currents):
         ks = ", ".join(f"k{j}" for j in p.currents)
         prologue += [f"{ks}, = [start[j] for j in {tuple(p.currents)!r}]"]
-        state += [f"k{j}" for j in p.currents]
-    prologue += ["box[1] = seen if current is not None else None" if n_peaks else "box[1] = seen"]
+    prologue += ["box[1] = seen if box[0] is None else None"]
     fast_state = ["row", *(["clock"] if p.now else []), *(["other"] if chained else [])]
     lines = [
         *_indented(prologue),
@@ -203,17 +224,17 @@ def local_source(layout: ColumnLayout, nested: bool, recursive: bool, chained: b
     returns ``None`` is not called again) the tracer skips that test on every event.
 
     ``counted``: the source counts its changes (``table.changes``, see :func:`counted`). An event
-    where the count is the one read before the frame's last sample (``seen``), with no release
-    pending, skips the sample: the source would return what it returned then, except that each
-    peak is the current value of its statistic at that sample (its window was reset to it, and
-    nothing moved since: other samplers of the table reset it to the same value). Those current
-    values (``c*``) are read once, with the entry sampler, at the first such event after a sample;
-    sums did not move, and currents (``k*``) are those sampled. A line event of that kind with
-    nothing posted to the box is the common case: ``local`` handles it in a closure over the few
-    names it reads (Python copies every name a closure uses into each call's frame: measured ~1.5
-    ns a name per event), and hands every other event to ``handle``. ``box[1]`` is the count at
-    which that shortcut holds, ``None`` where it does not (something was posted to ``box[0]``, or
-    ``c*`` is not read yet).
+    where the count is the one read before the frame's last sample (``seen``, read after applying
+    the releases pending then), with no release pending now, skips the sample: the source would
+    return what it returned then, except that each peak is the current value of its statistic at
+    that sample (its window was reset to it, and nothing moved since: other samplers of the table
+    reset it to the same value). The sample reads those current values too (``c*``, after the
+    layout's keys: :func:`samplers`); sums did not move, and currents (``k*``) are those sampled.
+    A line event of that kind with nothing posted to the box is the common case: ``local``
+    handles it in a closure over the few names it reads (Python copies every name a closure uses
+    into each call's frame: ~1.5 ns a name per event), and hands every other event to
+    ``handle``. ``box[1]`` is the count at which that shortcut holds, ``None`` while a profiled
+    callee's peaks wait in ``box[0]``.
     """
     pieces = _Pieces(layout, nested, recursive, counted)
     return _counting_source(pieces, chained) if counted else _sampling_source(pieces, chained)
@@ -223,7 +244,7 @@ def local_factory(
     layout: ColumnLayout, nested: bool, recursive: bool, chained: bool, counted: bool
 ) -> Callable[..., TraceFunction]:
     """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock,
-    parent, outer, table, pending, entry_sample, seen, current)``.
+    parent, outer, table, pending, flush, seen)``.
 
     It returns the local tracer of one frame. On a ``line`` or ``return`` event the tracer samples
     the source once and closes the interval of the current line into ``row``: peaks (folded with
@@ -238,9 +259,9 @@ def local_factory(
     of the nearest profiled caller (``None`` without one); with ``recursive``, ``outer`` holds the
     ids of the rows that enclosing frames of the same function are in, whose sums this frame's
     intervals on those rows leave alone (see :func:`local_source`). With ``counted``,
-    ``table.changes`` counts the source's changes and ``pending`` holds its queued releases (see
-    :func:`counted`); ``seen`` is the count read before ``start`` was sampled, ``current`` the
-    current values behind the peak columns then (``entry_sample``'s, or ``None``: read when needed).
+    ``table.changes`` counts the source's changes, ``pending`` holds its queued releases and
+    ``flush`` applies them (see :func:`counted`); ``seen`` is the count read before ``start`` was
+    sampled, and ``start`` ends with the current values behind the peak columns (:func:`samplers`).
     """
     namespace: dict[str, Any] = {"now": time.perf_counter_ns, "_new_row": layout.new_row}
     source = local_source(layout, nested, recursive, chained, counted)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from memlab.line_profiler.local_tracer import counted, local_factory
+from memlab.line_profiler.local_tracer import Counting, local_factory
 from memlab.line_profiler.records import ENTRY, ColumnLayout, FunctionRecord
 from memlab.sources.untraced import PAUSABLE, mark_pausable
 
@@ -57,7 +57,7 @@ class Tracer:
         self._layout: ColumnLayout | None = None
         # make_local per (nested, recursive, chained, counted), compiled at first use: see local_factory
         self._make_local: dict[tuple[bool, bool, bool, bool], Callable[..., TraceFunction]] = {}
-        self._counted: tuple[Any, Any] | None = None
+        self._counting: Counting | None = None
         self._thread_hook: TraceFunction | None = None
         self._thread_hook_live: list[bool] = [False]
         self._previous_thread_hook: TraceFunction | None = None
@@ -70,17 +70,19 @@ class Tracer:
         sample: Sampler,
         entry_sample: Sampler,
         on_call: Callable[[FrameType], object] | None = None,
+        counting: Counting | None = None,
     ) -> None:
         """Begin a session: read ``sample`` at line events and ``entry_sample`` (the current values
         behind the peak columns) at calls; call ``on_call(frame)`` at each call of a registered
         function that has no profiled caller, before its state at entry is read; trace threads
-        started from now on."""
+        started from now on. ``counting``: the source's change count, where it has one and
+        ``sample`` reads the entry keys after the layout's (see :func:`local_tracer.samplers`)."""
         self.on_call = on_call
         if layout != self._layout:
             self._layout = layout
             self._make_local = {}
         self.sample, self.entry_sample = sample, entry_sample
-        self._counted = counted(sample)
+        self._counting = counting
         self._previous_thread_hook = threading.gettrace()
         self._thread_hook_live = [True]
         self._thread_hook = self._global_trace(self._previous_thread_hook, self._thread_hook_live, True)
@@ -94,7 +96,7 @@ class Tracer:
             threading.settrace(_skip_retired(self._previous_thread_hook))  # type: ignore[arg-type]
         self._thread_hook = None
         self.sample = self.entry_sample = self.on_call = None  # a live sampler keeps its window open
-        self._counted = None
+        self._counting = None
 
     # -- one thread -----------------------------------------------------------------------------
     def install(self) -> tuple[TraceFunction, TraceFunction | None, list[bool]] | None:
@@ -164,14 +166,16 @@ class Tracer:
 
     def _enter(self, frame: FrameType, record: FunctionRecord, other: TraceFunction | None) -> TraceFunction:
         """A call of (or a resumption into) a registered code object."""
-        sample, layout, counting = self.sample, self._layout, self._counted
+        sample, layout, counting = self.sample, self._layout, self._counting
         assert sample is not None and layout is not None and self.entry_sample is not None
         parent = self._parent(frame)
         parent_box = None if parent is None else parent.memlab_box  # type: ignore[attr-defined]
         if parent_box is None and self.on_call is not None:
             self.on_call(frame)
-        table, pending = counting if counting is not None else (None, ())
-        seen = None if table is None else table.changes  # read before the sample (local_tracer.counted)
+        table, pending, flush = counting if counting is not None else (None, (), None)
+        if pending:
+            flush()  # as the sample would, before the count is read (local_tracer.local_source)
+        seen = None if table is None else table.changes
         start = sample()
         if parent_box is not None and layout.peaks:
             # The time since the caller's last event, up to this call, is inside the caller's line.
@@ -200,13 +204,11 @@ class Tracer:
             # A generator or coroutine resumed: continue the line it stopped on, in a new local
             # tracer since the caller (and so the parent box) may have changed.
             row, box = resumed.memlab_state(), resumed.memlab_box  # type: ignore[union-attr]
-            current = None
         else:
             row, box = rows.get(ENTRY), [None, None]  # peaks posted by profiled callees; see make_local
             if row is None:
                 row = rows[ENTRY] = layout.new_row()
-            current = self.entry_sample()
-            layout.entry_row_update(row, start, current)
+            layout.entry_row_update(row, start, self.entry_sample())
             row = layout.new_row()  # the moment between the call and the first line belongs to no row
         clock = time.perf_counter_ns() if layout.timed else 0
         return make_local(
@@ -224,9 +226,8 @@ class Tracer:
             outer,
             table,
             pending,
-            self.entry_sample,
+            flush,
             seen,
-            current,
         )
 
 

@@ -208,7 +208,8 @@ class StatTable:
         # Not kept in its own globals, so that the function and its window die with the last
         # reference to it (no reference cycle waiting for gc).
         sample = names.pop("sample")
-        sample.memlab_changes, sample.memlab_pending = self, pending  # see Tracer: _counted
+        # what a line profiler reads to skip the sample where nothing moved (line_profiler/local_tracer.py)
+        sample.memlab_changes, sample.memlab_pending, sample.memlab_flush = self, pending, flush
         return sample  # type: ignore[no-any-return]
 
 
