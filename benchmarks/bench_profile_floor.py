@@ -48,7 +48,7 @@ try:
 except ImportError:  # memlab before issue 27 (the "before" numbers): that variant is left out
     mark_pausable = None
 try:
-    from memlab.line_profiler import tracer as _tracer
+    from memlab.line_profiler import local_tracer as _local_tracer
     from memlab.line_profiler.local_tracer import counted as _counted
 except ImportError:  # memlab that samples at every line event: that variant is left out
     _counted = None
@@ -123,11 +123,11 @@ def sampling_every_event(run: Callable[[], Any]) -> Callable[[], Any]:
     cannot say when nothing moved (CUDA's): the line events where nothing moved cost this before."""
 
     def go() -> None:
-        _tracer.counted = lambda sample: None
+        _local_tracer.counted = lambda sample: None
         try:
             run()
         finally:
-            _tracer.counted = _counted
+            _local_tracer.counted = _counted
 
     return go
 
