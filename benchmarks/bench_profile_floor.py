@@ -20,7 +20,11 @@ Row 3b: the same with a small ``nn.Module`` (2 layers, hidden 64) run forward an
 besides the dispatch (no goal: recorded).
 
 Row 5: one profiled line event of a pure-Python loop with the tracker as source ÷ one line event
-of a ``sys.settrace`` callback that does nothing (goal <= 4).
+of a ``sys.settrace`` callback that does nothing (goal <= 4). The tracker's allocator model counts
+its changes, so a line event where nothing moved skips the sample
+(:mod:`memlab.line_profiler.local_tracer`); "sampling every event" is the same profile with that
+switched off, as for a source that cannot say (CUDA's): the cost of those events before, and in
+rows 3 and 3b what the count costs on lines that do allocate.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ try:
     from memlab.sources.untraced import mark_pausable
 except ImportError:  # memlab before issue 27 (the "before" numbers): that variant is left out
     mark_pausable = None
+try:
+    from memlab.line_profiler import local_tracer as _local_tracer
+    from memlab.line_profiler.local_tracer import counted as _counted
+except ImportError:  # memlab that samples at every line event: that variant is left out
+    _counted = None
 
 REPEATS = 7
 OPS = 10_000
@@ -105,6 +114,20 @@ def traced(trace: Callable[..., Any], run: Callable[[], Any]) -> Callable[[], An
             run()
         finally:
             sys.settrace(None)
+
+    return go
+
+
+def sampling_every_event(run: Callable[[], Any]) -> Callable[[], Any]:
+    """``run`` with memlab's tracer sampling at every line event, as it does for a source that
+    cannot say when nothing moved (CUDA's): the line events where nothing moved cost this before."""
+
+    def go() -> None:
+        _local_tracer.counted = lambda sample: None
+        try:
+            run()
+        finally:
+            _local_tracer.counted = _counted
 
     return go
 
@@ -196,6 +219,8 @@ def bench_ops(
     }
     if mark_pausable is None:
         del variants["tracker + pausable settrace(None-returning)"]
+    if _counted is not None:
+        variants["@memlab.profile sampling every event"] = sampling_every_event(profile)
     for round_ in (1, 2):
         times = medians(variants)
         base = times["unprofiled"]
@@ -237,13 +262,19 @@ def bench_row5(report: Callable[[str], None]) -> None:
         "do-nothing tracer": traced(do_nothing_tracer(hot.__code__), lambda: hot(n)),
         "memlab": lambda: lp.runcall(hot, n),
     }
+    if _counted is not None:
+        variants["memlab sampling every event"] = sampling_every_event(lambda: lp.runcall(hot, n))
     for round_ in (1, 2):
         times = medians(variants)
         per_noop = (times["do-nothing tracer"] - times["plain"]) / events
         per_ours = (times["memlab"] - times["plain"]) / events
+        every = ""
+        if _counted is not None:
+            per_every = (times["memlab sampling every event"] - times["plain"]) / events
+            every = f" (sampling every event: {per_every * 1e9:.0f} ns, ratio {per_every / per_noop:.2f})"
         report(
             f"row 5 round {round_} ({events} line events): do-nothing tracer {per_noop * 1e9:.0f} ns, "
-            f"memlab {per_ours * 1e9:.0f} ns per event, ratio {per_ours / per_noop:.2f}; {load()}"
+            f"memlab {per_ours * 1e9:.0f} ns per event, ratio {per_ours / per_noop:.2f}{every}; {load()}"
         )
 
 

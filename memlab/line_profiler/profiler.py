@@ -22,6 +22,7 @@ from memlab._call_watches import WatchedCall
 from memlab._outputs import check_stream
 from memlab.line_profiler import display as _display
 from memlab.line_profiler import export as _export
+from memlab.line_profiler.local_tracer import samplers
 from memlab.line_profiler.records import (
     DEFAULT_COLUMNS,
     EXTRA_COLUMNS,
@@ -288,9 +289,9 @@ class LineProfiler(ByCountProfilerMixin):
             self._records.relayout(self._wanted)
         layout = self._records.layout
         selection = self._selector.open(self._target)
-        sample = selection.source.sampler(layout.sample_keys, selection.device)
-        entry_sample = selection.source.sampler(layout.entry_keys, selection.device)
-        self._tracer.start(layout, sample, entry_sample, selection.on_call)
+        source, device = selection.source, selection.device
+        sample, entry_sample, counting = samplers(lambda keys: source.sampler(keys, device), layout)
+        self._tracer.start(layout, sample, entry_sample, selection.on_call, counting)
         self._selection = self._records.source = selection
 
     def _stop_session(self) -> None:

@@ -10,8 +10,7 @@ generators and coroutines are per frame. A line's sums (``*.allocated``, ``*.fre
 once (a recursive call): an interval nested in an enclosing frame's interval on the same line
 adds nothing there, since the enclosing one holds it whole.
 
-The local tracer runs on every line event, so it is generated for the column layout with the
-updates unrolled: one sampler call, a few comparisons and list stores per event.
+The local tracers are generated per column layout (:mod:`memlab.line_profiler.local_tracer`).
 """
 
 from __future__ import annotations
@@ -23,116 +22,14 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from memlab.line_profiler.records import DELTA, ENTRY, TIME, ColumnLayout, FunctionRecord
+from memlab.line_profiler.local_tracer import Counting, local_factory
+from memlab.line_profiler.records import ENTRY, ColumnLayout, FunctionRecord
 from memlab.sources.untraced import PAUSABLE, mark_pausable
 
 __all__ = ["Tracer", "end_frames"]
 
 TraceFunction = Callable[[FrameType, str, Any], Any]
 Sampler = Callable[[], tuple[int, ...]]
-
-
-def _local_factory_source(layout: ColumnLayout, nested: bool, recursive: bool, chained: bool) -> str:
-    """Python source of ``make_local(...)`` specialised for ``layout`` (see :func:`_local_factory`).
-
-    ``nested``: the frame has a profiled caller, to which it posts the highest peaks of its life.
-    ``recursive``: a profiled caller up the stack runs the same function; the sums of an interval
-    whose row is one an enclosing frame is in (``outer``: the ids of those rows) are already
-    inside that frame's interval, so they are not added again. ``chained``: another tool's local
-    tracer is called after memlab's work; without one (it cannot appear later: a chained tool that
-    returns ``None`` is not called again) the tracer skips that test on every event.
-    """
-    n_peaks, n_sums = len(layout.peaks), len(layout.sums)
-    n_values = len(layout.sample_keys)
-    values = ", ".join(f"v{j}" for j in range(n_values)) + ("," if n_values == 1 else "")
-    summed = [*range(n_peaks, n_peaks + n_sums), layout.delta_index]
-    currents = range(n_peaks + n_sums, n_peaks + n_sums + len(layout.currents))
-    starts = ", ".join(f"s{j}" for j in summed)
-    peaks = range(n_peaks)
-    close = ["t = now()"] if layout.timed else []  # fold the sample into the ending interval's row
-    if n_peaks:
-        close += ["if box[0] is not None:", "    b = box[0]", "    box[0] = None"]
-        close += [f"    if b[{i}] > v{i}: v{i} = b[{i}]" for i in peaks]
-        close += [f"if v{i} > row[{1 + i}]: row[{1 + i}] = v{i}" for i in peaks]
-        if nested:
-            close += [f"if v{i} > life[{i}]: life[{i}] = v{i}" for i in peaks]
-    close += [f"row[{1 + j}] = v{j}" for j in currents]
-    # Most lines allocate nothing: a total that did not move skips the arithmetic and the store.
-    sums = [f"if v{j} != s{j}: row[{1 + j}] += v{j} - s{j}" for j in summed[:-1]]
-    d = summed[-1]
-    sums += [f"if v{d} != s{d}: row[{layout.row_index[DELTA]}] += v{d} - s{d}"]
-    if layout.timed:
-        sums += [f"row[{layout.row_index[TIME]}] += t - clock"]
-    close += ["if id(row) not in outer:", *("    " + line for line in sums)] if recursive else sums
-    on_line = [
-        *close,
-        "try:",
-        "    row = rows[frame.f_lineno]",
-        "except KeyError:",
-        "    row = rows[frame.f_lineno] = new_row()",
-        "row[0] += 1",
-        *(f"s{j} = v{j}" for j in summed),
-        *(["clock = t"] if layout.timed else []),
-    ]
-    on_return = list(close)
-    if nested and n_peaks:
-        on_return += ["pb = parent_box[0]", "if pb is None:", "    parent_box[0] = life", "else:"]
-        on_return += [f"    if life[{i}] > pb[{i}]: pb[{i}] = life[{i}]" for i in peaks]
-        on_return += [f"life = [{', '.join('0' for _ in peaks)}]"]
-
-    def indent(lines: list[str]) -> str:
-        return "\n".join("            " + line for line in lines)
-
-    life = f"[{', '.join('0' for _ in peaks)}]" if nested else "None"
-    chain = "\n        if other is not None:\n            other = other(frame, event, arg)" if chained else ""
-    return f"""
-def make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock, parent, outer):
-    {starts}, = [start[j] for j in {tuple(summed)!r}]
-    life = {life}
-
-    def local(frame, event, arg):
-        nonlocal row, {"other, " if chained else ""}life, clock, {starts}
-        if event == "line":
-            {values} = sample()
-{indent(on_line)}
-        elif event == "return":
-            {values} = sample()
-{indent(on_return)}{chain}
-        return local
-
-    local.memlab_owner = owner
-    local.memlab_box = box
-    local.memlab_rows = rows
-    local.memlab_state = lambda: row
-    local.memlab_parent = parent
-    return local
-"""
-
-
-def _local_factory(
-    layout: ColumnLayout, nested: bool, recursive: bool, chained: bool
-) -> Callable[..., TraceFunction]:
-    """Compile ``make_local(rows, new_row, sample, row, start, parent_box, other, owner, box, clock,
-    parent, outer)``.
-
-    It returns the local tracer of one frame. On a ``line`` or ``return`` event the tracer samples
-    the source once and closes the interval of the current line into ``row``: peaks (folded with
-    those of profiled callees, posted to ``box``) take the max, sums add the difference of running
-    totals since the interval's start (``start`` for the first one), currents take the value at
-    the end; a ``line`` event then opens the next line's interval and counts a hit. With
-    ``nested``, at ``return`` (also a ``yield``) the frame posts the highest peaks of its life to
-    ``parent_box``, the box of the nearest profiled caller, since everything this frame did
-    happened inside the caller's line. ``other`` is a chained tool's local tracer for the same
-    frame, called after memlab's work. With a ``time`` column, ``clock`` is the
-    ``time.perf_counter_ns()`` at which the first interval started. ``parent`` is the local tracer
-    of the nearest profiled caller (``None`` without one); with ``recursive``, ``outer`` holds the
-    ids of the rows that enclosing frames of the same function are in, whose sums this frame's
-    intervals on those rows leave alone (see :func:`_local_factory_source`).
-    """
-    namespace: dict[str, Any] = {"now": time.perf_counter_ns}
-    source = _local_factory_source(layout, nested, recursive, chained)
-    exec(compile(source, f"<memlab local tracer {layout.keys}>", "exec"), namespace)
-    return namespace["make_local"]
 
 
 def _skip_retired(trace: TraceFunction | None) -> TraceFunction | None:
@@ -158,8 +55,9 @@ class Tracer:
         self.entry_sample: Sampler | None = None
         self.on_call: Callable[[FrameType], object] | None = None
         self._layout: ColumnLayout | None = None
-        # make_local per (nested, recursive, chained): see _local_factory
-        self._make_local: dict[tuple[bool, bool, bool], Callable[..., TraceFunction]] = {}
+        # make_local per (nested, recursive, chained, counted), compiled at first use: see local_factory
+        self._make_local: dict[tuple[bool, bool, bool, bool], Callable[..., TraceFunction]] = {}
+        self._counting: Counting | None = None
         self._thread_hook: TraceFunction | None = None
         self._thread_hook_live: list[bool] = [False]
         self._previous_thread_hook: TraceFunction | None = None
@@ -172,19 +70,19 @@ class Tracer:
         sample: Sampler,
         entry_sample: Sampler,
         on_call: Callable[[FrameType], object] | None = None,
+        counting: Counting | None = None,
     ) -> None:
         """Begin a session: read ``sample`` at line events and ``entry_sample`` (the current values
         behind the peak columns) at calls; call ``on_call(frame)`` at each call of a registered
         function that has no profiled caller, before its state at entry is read; trace threads
-        started from now on."""
+        started from now on. ``counting``: the source's change count, where it has one and
+        ``sample`` reads the entry keys after the layout's (see :func:`local_tracer.samplers`)."""
         self.on_call = on_call
         if layout != self._layout:
             self._layout = layout
-            variants = [
-                (n, r, c) for n, r in ((False, False), (True, False), (True, True)) for c in (False, True)
-            ]
-            self._make_local = {variant: _local_factory(layout, *variant) for variant in variants}
+            self._make_local = {}
         self.sample, self.entry_sample = sample, entry_sample
+        self._counting = counting
         self._previous_thread_hook = threading.gettrace()
         self._thread_hook_live = [True]
         self._thread_hook = self._global_trace(self._previous_thread_hook, self._thread_hook_live, True)
@@ -198,6 +96,7 @@ class Tracer:
             threading.settrace(_skip_retired(self._previous_thread_hook))  # type: ignore[arg-type]
         self._thread_hook = None
         self.sample = self.entry_sample = self.on_call = None  # a live sampler keeps its window open
+        self._counting = None
 
     # -- one thread -----------------------------------------------------------------------------
     def install(self) -> tuple[TraceFunction, TraceFunction | None, list[bool]] | None:
@@ -267,12 +166,16 @@ class Tracer:
 
     def _enter(self, frame: FrameType, record: FunctionRecord, other: TraceFunction | None) -> TraceFunction:
         """A call of (or a resumption into) a registered code object."""
-        sample, layout = self.sample, self._layout
-        assert sample is not None and layout is not None and self._make_local
+        sample, layout, counting = self.sample, self._layout, self._counting
+        assert sample is not None and layout is not None and self.entry_sample is not None
         parent = self._parent(frame)
         parent_box = None if parent is None else parent.memlab_box  # type: ignore[attr-defined]
         if parent_box is None and self.on_call is not None:
             self.on_call(frame)
+        table, pending, flush = counting if counting is not None else (None, (), None)
+        if pending:
+            flush()  # as the sample would, before the count is read (local_tracer.local_source)
+        seen = None if table is None else table.changes
         start = sample()
         if parent_box is not None and layout.peaks:
             # The time since the caller's last event, up to this call, is inside the caller's line.
@@ -283,6 +186,7 @@ class Tracer:
                 for i, value in enumerate(start[: len(layout.peaks)]):
                     if value > box[i]:
                         box[i] = value
+            parent_box[1] = None  # the caller's next event folds the box in (local_tracer)
         rows = record.rows
         # The rows enclosing frames of this function are in (they stay there while this one runs).
         outer: set[int] = set()
@@ -291,17 +195,19 @@ class Tracer:
             if above.memlab_rows is rows:  # type: ignore[attr-defined]
                 outer.add(id(above.memlab_state()))  # type: ignore[attr-defined]
             above = above.memlab_parent  # type: ignore[attr-defined]
-        make_local = self._make_local[parent is not None, bool(outer), other is not None]
+        variant = (parent is not None, bool(outer), other is not None, table is not None)
+        make_local = self._make_local.get(variant)
+        if make_local is None:
+            make_local = self._make_local[variant] = local_factory(layout, *variant)
         resumed = frame.f_trace
         if getattr(resumed, "memlab_owner", None) is self._owner and resumed.memlab_rows is rows:  # type: ignore[union-attr]
             # A generator or coroutine resumed: continue the line it stopped on, in a new local
             # tracer since the caller (and so the parent box) may have changed.
             row, box = resumed.memlab_state(), resumed.memlab_box  # type: ignore[union-attr]
         else:
-            row, box = rows.get(ENTRY), [None]
+            row, box = rows.get(ENTRY), [None, None]  # peaks posted by profiled callees; see make_local
             if row is None:
                 row = rows[ENTRY] = layout.new_row()
-            assert self.entry_sample is not None
             layout.entry_row_update(row, start, self.entry_sample())
             row = layout.new_row()  # the moment between the call and the first line belongs to no row
         clock = time.perf_counter_ns() if layout.timed else 0
@@ -318,6 +224,10 @@ class Tracer:
             clock,
             parent,
             outer,
+            table,
+            pending,
+            flush,
+            seen,
         )
 
 

@@ -145,9 +145,11 @@ class AllocatorBase:
         """Zero the ``allocated``/``freed`` totals and event counters, like
         ``torch.cuda.reset_accumulated_memory_stats()``."""
         self.table.reset_accumulated()
+        self.table.changes += 1
 
     def _oom(self, tried: int) -> torch.OutOfMemoryError:
         self.table.counters["num_ooms"] += 1
+        self.table.changes += 1
         stats = self.table.stats
         allocated = stats["allocated_bytes.all"][0]
         reserved = stats["reserved_bytes.all"][0]

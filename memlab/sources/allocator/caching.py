@@ -248,6 +248,7 @@ class CachingAllocatorModel(CachingSegments, AllocatorBase):
         handle = self._next_handle
         self._next_handle = handle + 1
         self._live[handle] = block
+        self.table.changes += 1
         return handle
 
     def free(self, handle: int) -> None:
@@ -283,6 +284,7 @@ class CachingAllocatorModel(CachingSegments, AllocatorBase):
         block.allocated = False
         if self._expandable is not None:
             self._expandable.give_back(block)
+            self.table.changes += 1
             return
         merged_blocks = 0
         keys = pool.keys
@@ -353,6 +355,7 @@ class CachingAllocatorModel(CachingSegments, AllocatorBase):
                 change_split(pool.split, -merged_blocks, 0)
         elif merged_blocks or net_bytes:
             change_split(pool.split, -merged_blocks, net_bytes)
+        self.table.changes += 1
 
     def _extent(self, handle: int) -> tuple[int, int]:
         block = self._live[handle]

@@ -71,6 +71,7 @@ class ExactAllocator(AllocatorBase):
             if current > stat[4]:
                 stat[4] = current
         self.table.counters["num_device_alloc"] += 1
+        self.table.changes += 1
         handle = self._next_handle
         self._next_handle = handle + 1
         self._live[handle] = nbytes
@@ -89,6 +90,7 @@ class ExactAllocator(AllocatorBase):
             stat[0] -= amount
             stat[3] += amount
         self.table.counters["num_device_free"] += 1
+        self.table.changes += 1
 
     def _extent(self, handle: int) -> tuple[int, int]:
         return handle, self._live[handle]  # the address of a block is its handle

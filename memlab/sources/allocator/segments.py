@@ -116,3 +116,4 @@ class CachingSegments:
         Counts one ``num_sync_all_streams`` and one ``num_device_free`` per released segment.
         """
         self._release_cached_blocks()
+        self.table.changes += 1

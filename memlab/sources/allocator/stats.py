@@ -104,6 +104,9 @@ class StatTable:
                 self.stats[f"{alias}.{pool}"] = self.stats[f"{target}.{pool}"]
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._windows = _Windows()
+        #: Bumped by the allocator after every change to a statistic (``malloc``, ``free``, ...):
+        #: a line profiler skips the sample at a line event where it did not move.
+        self.changes = 0
 
     def pools(self, name: str) -> tuple[list[int], list[int], list[int]]:
         """The ``all``, ``small_pool`` and ``large_pool`` lists of a pooled statistic."""
@@ -204,7 +207,10 @@ class StatTable:
         exec(source, names)
         # Not kept in its own globals, so that the function and its window die with the last
         # reference to it (no reference cycle waiting for gc).
-        return names.pop("sample")  # type: ignore[return-value]
+        sample = names.pop("sample")
+        # what a line profiler reads to skip the sample where nothing moved (line_profiler/local_tracer.py)
+        sample.memlab_changes, sample.memlab_pending, sample.memlab_flush = self, pending, flush
+        return sample  # type: ignore[no-any-return]
 
 
 class _Window:
