@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_line_profiler import do_nothing_tracer, traced  # this folder is on sys.path as a script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlab
@@ -93,29 +94,6 @@ def _none_pausable(frame: Any, event: str, arg: Any) -> None:
 
 if mark_pausable is not None:
     mark_pausable(_none_pausable, True)  # as memlab's own trace function is, when it chains nothing
-
-
-def do_nothing_tracer(code: Any) -> Callable[..., Any]:
-    """A ``sys.settrace`` callback that traces the lines of ``code`` and does nothing with them."""
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        return local
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code is code else None
-
-    return trace
-
-
-def traced(trace: Callable[..., Any], run: Callable[[], Any]) -> Callable[[], Any]:
-    def go() -> None:
-        sys.settrace(trace)
-        try:
-            run()
-        finally:
-            sys.settrace(None)
-
-    return go
 
 
 def sampling_every_event(run: Callable[[], Any]) -> Callable[[], Any]:
