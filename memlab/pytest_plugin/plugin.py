@@ -140,7 +140,8 @@ def _arguments(mark: pytest.Mark) -> str:
 
 def without_dispatch_frames(error: BaseException) -> None:
     """Cut from ``error``'s traceback the frames the measuring tracker added to a failing op: its
-    ``__torch_dispatch__``, PyTorch's wrapper around it and the op called from there, so that the
+    ``__torch_dispatch__``, the wrappers around it (PyTorch's ``_disable_dynamo``, memlab's
+    :func:`~memlab.sources.untraced.untraced_dispatch`) and the op called from there, so that the
     traceback ends where the test's own code called the op, as it does unmeasured. An error raised
     by memlab's own code is left as it is."""
     entries = []
@@ -154,8 +155,8 @@ def without_dispatch_frames(error: BaseException) -> None:
         code = entry.tb_frame.f_code
         if code.co_name == "__torch_dispatch__" and _is_memlab(code.co_filename):
             start = index
-            while start > 1 and _is_torch(entries[start - 1].tb_frame.f_code.co_filename):
-                start -= 1  # torch's _disable_dynamo wrapper around the mode's __torch_dispatch__
+            while start > 1 and _is_wrapper(entries[start - 1].tb_frame.f_code.co_filename):
+                start -= 1  # the wrappers around the mode's __torch_dispatch__
             if start > 0:
                 entries[start - 1].tb_next = None
             return
@@ -165,10 +166,10 @@ def _is_memlab(filename: str) -> bool:
     return filename.startswith(_MEMLAB)
 
 
-def _is_torch(filename: str) -> bool:
+def _is_wrapper(filename: str) -> bool:
     import torch
 
-    return filename.startswith(os.path.dirname(torch.__file__) + os.sep)
+    return _is_memlab(filename) or filename.startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
 class MeasuringPlugin:
