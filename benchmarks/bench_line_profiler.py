@@ -74,7 +74,8 @@ def profiled_entry() -> int:
     return 1
 
 
-def count_line_events(n: int) -> int:
+def count_line_events(run: Callable[[], Any], code: Any) -> int:
+    """The line (and return) events of ``code``'s frames while ``run`` runs."""
     events = 0
 
     def local(frame: Any, event: str, arg: Any) -> Any:
@@ -83,9 +84,11 @@ def count_line_events(n: int) -> int:
             events += 1
         return local
 
-    sys.settrace(lambda frame, event, arg: local if frame.f_code is hot.__code__ else None)
-    hot(n)
-    sys.settrace(None)
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
     return events
 
 
@@ -198,7 +201,7 @@ def bench_outside(report: Callable[[str], None]) -> None:
 
 def bench_per_event(report: Callable[[str], None]) -> None:
     n = 200_000
-    events = count_line_events(n)
+    events = count_line_events(lambda: hot(n), hot.__code__)
     plain = best_of(lambda: hot(n))
     noop = best_of(traced(do_nothing_tracer(hot.__code__), lambda: hot(n)))
     lp = memlab.LineProfiler(hot, source="tracker")
@@ -220,7 +223,7 @@ def bench_per_event(report: Callable[[str], None]) -> None:
     if legacy is None:
         return
     small = 10_000
-    small_events = count_line_events(small)
+    small_events = count_line_events(lambda: hot(small), hot.__code__)
     small_plain = best_of(lambda: hot(small))
     with memlab.TensorTracker() as tracker, pytorch_memlab_on_tracker(tracker):
 
@@ -241,7 +244,7 @@ def bench_memory(report: Callable[[str], None]) -> None:
     lp = memlab.LineProfiler(hot, source="tracker")
     lp.runcall(hot, 10)  # rows for every line exist
     n = 500_000
-    events = count_line_events(n)
+    events = count_line_events(lambda: hot(n), hot.__code__)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -257,7 +260,7 @@ def bench_memory(report: Callable[[str], None]) -> None:
     if legacy is None:
         return
     small = 5_000
-    small_events = count_line_events(small)
+    small_events = count_line_events(lambda: hot(small), hot.__code__)
     with memlab.TensorTracker() as tracker, pytorch_memlab_on_tracker(tracker):
         theirs_lp = legacy(hot)
         gc.collect()

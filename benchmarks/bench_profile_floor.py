@@ -38,7 +38,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_line_profiler import do_nothing_tracer, traced  # this folder is on sys.path as a script
+from bench_line_profiler import (  # this folder is on sys.path as a script
+    count_line_events,
+    do_nothing_tracer,
+    traced,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlab
@@ -116,23 +120,6 @@ def under(mode_factory: Callable[[], Any], run: Callable[[], Any]) -> Callable[[
             run()
 
     return go
-
-
-def count_line_events(run: Callable[[], Any], code: Any) -> int:
-    events = 0
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal events
-        if event in ("line", "return"):
-            events += 1
-        return local
-
-    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
-    try:
-        run()
-    finally:
-        sys.settrace(None)
-    return events
 
 
 # -- measuring ------------------------------------------------------------------------------------
