@@ -62,6 +62,19 @@ def cudnn_first(capability: tuple[int, int]):
         torch._C._set_sdp_priority_order(previous)
 
 
+@contextlib.contextmanager
+def modelled(fake: FakeTensorMode, gpu: str):
+    """``fake``, the GPU's SDPA order (:func:`cudnn_first`), a tracker with history and
+    ``CudaKernels(gpu=gpu)``, entered in that order: yields ``(tracker, kernels)``."""
+    with (
+        fake,
+        cudnn_first(GPUS[gpu].capability),
+        memlab.TensorTracker(history=True) as tracker,
+        CudaKernels(gpu=gpu) as kernels,
+    ):
+        yield tracker, kernels
+
+
 def blocks(nbytes: int) -> int:
     return math.ceil(nbytes / BLOCK) * BLOCK
 
@@ -217,13 +230,7 @@ def run_attention(gpu: str, masked: bool) -> tuple[str, dict[str, tuple], int]:
     with fake:
         q, k, v = (torch.empty(B, H, L, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         mask = torch.ones(L, L, dtype=torch.bool) if masked else None
-    capability = GPUS[gpu].capability
-    with (
-        fake,
-        cudnn_first(capability),
-        memlab.TensorTracker(history=True) as tracker,
-        CudaKernels(gpu=gpu) as kernels,
-    ):
+    with modelled(fake, gpu) as (tracker, kernels):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         activation = tracker.by_category()["activation"]
     assert kernels.substituted == {"scaled_dot_product_attention": 1}
@@ -397,13 +404,7 @@ def run_gqa(gpu: str, repeat_kv: bool = False) -> dict:
         q = torch.empty(B, HQ, GL, D, dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.empty(B, HKV, GL, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         grad_out = torch.empty(B, HQ, GL, D, dtype=torch.bfloat16)
-    capability = GPUS[gpu].capability
-    with (
-        fake,
-        cudnn_first(capability),
-        memlab.TensorTracker(history=True) as tracker,
-        CudaKernels(gpu=gpu) as kernels,
-    ):
+    with modelled(fake, gpu) as (tracker, kernels):
         if repeat_kv:
             key, value = (
                 t[:, :, None].expand(B, HKV, HQ // HKV, GL, D).reshape(B, HQ, GL, D) for t in (k, v)
