@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -34,6 +35,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def collected_heap():
+    """Each test file starts from a collected heap, as when run alone: garbage that an earlier
+    file's tests left in reference cycles (a script's namespace, a model and its optimizer) holds
+    tensors until the collector runs, and a profile adopts every tensor alive, as a GPU counts
+    their memory until then; when the collector runs depends on everything run before. One
+    collection per file (about 0.1 s), not per test."""
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -180,18 +180,20 @@ def _job(recipe: ModelRecipe, setup: TrainingSetup) -> Iterator[Any]:
     # run: each would scan them all again, to find no garbage (0.5-0.9 CPU s of an 8B or 70B
     # model's estimate; benchmarks/bench_estimate_command.py). Garbage the steps make is collected
     # as before; everything frozen is handed back to the collector at the end.
-    gc.freeze()
-    try:
-        with recipe.quiet(), warnings.catch_warnings():
-            # copy.deepcopy of FSDP2's modules asks each fake tensor for its data pointer; harmless
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            # FSDP2's advice on blocks that return views (in-place ops on them skip its hooks): the
-            # model's own code, which a memory estimate neither changes nor needs
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-            with _group(setup) as mesh:
+    # Frozen inside the group, handed back before it ends: objects frozen are out of
+    # gc.get_objects(), where the group's end looks for the device meshes to disown.
+    with recipe.quiet(), warnings.catch_warnings():
+        # copy.deepcopy of FSDP2's modules asks each fake tensor for its data pointer; harmless
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        # FSDP2's advice on blocks that return views (in-place ops on them skip its hooks): the
+        # model's own code, which a memory estimate neither changes nor needs
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        with _group(setup) as mesh:
+            gc.freeze()
+            try:
                 yield mesh
-    finally:
-        gc.unfreeze()
+            finally:
+                gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ On CPU the script's tracker models the CUDA caching allocator: ``Linear(256, 102
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +53,10 @@ def rows(text: str) -> list[list[str]]:
 def in_process() -> ModuleTable:
     """The module table of the script's code run in this process under a tracker entered before
     its first line, as ``memlab run`` enters one."""
+    namespace = {"__name__": "__main__"}
     with memlab.TensorTracker(modules=True) as tracker:
-        exec(compile(SCRIPT, "script.py", "exec"), {"__name__": "__main__"})
+        exec(compile(SCRIPT, "script.py", "exec"), namespace)
+    namespace.clear()  # the script's model goes now, not at a later garbage collection
     return tracker.module_table()
 
 
@@ -101,3 +105,20 @@ def test_without_by_module_no_module_is_recorded(tmp_path: Path, capsys: Any) ->
     assert main(["run", "-f", "step", str(script)]) == 0
     assert "memory per module" not in capsys.readouterr().out
     assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_the_programs_tensors_are_gone_when_main_returns(tmp_path: Path, capsys: Any, monkeypatch: Any):
+    """The script's namespace is a reference cycle (``step`` reads the module's globals, which hold
+    ``step``); an in-process ``memlab run`` lets it go as a process's end would, so a profile after
+    it does not count the script's model as tensors that existed before profiling."""
+    probe = types.ModuleType("memlab_test_probe")
+    monkeypatch.setitem(sys.modules, probe.__name__, probe)
+    script = tmp_path / "script.py"
+    script.write_text(
+        SCRIPT + "import sys, weakref\n"
+        "sys.modules['memlab_test_probe'].weight = weakref.ref(model[0].weight)\n",
+        encoding="utf-8",
+    )
+    assert main(["run", "-f", "step", str(script)]) == 0
+    capsys.readouterr()
+    assert probe.weight() is None
