@@ -21,8 +21,12 @@ import torch
 
 __all__ = ["AutocastWatch", "DisabledCudaRegions", "requested", "unwatch", "watch"]
 
-# PyTorch's warning when it disables a CUDA autocast region for lack of CUDA (autocast.__init__).
-_NO_CUDA_WARNING = "CUDA is not available or torch_xla is imported. Disabling autocast."
+# PyTorch's warning when it disables a CUDA autocast region for lack of CUDA (autocast.__init__), a
+# regular expression matched at the message's start: torch 2.9 and later, then torch 2.8's wording.
+_NO_CUDA_WARNING = (
+    r"CUDA is not available or torch_xla is imported\. Disabling autocast\."
+    r"|User provided device_type of 'cuda', but CUDA is not available\. Disabling"
+)
 
 
 class AutocastWatch:

@@ -78,6 +78,17 @@ def test_linear_under_bf16_autocast_peaks_with_the_cast_copies():
     assert estimate.caveats == []
 
 
+def test_an_estimate_models_the_region_without_pytorchs_no_cuda_warning():
+    """PyTorch without CUDA warns that it disables a ``torch.autocast("cuda")`` region (torch 2.8
+    says it in other words); an estimate models the region, so the warning is not the user's."""
+    step, _ = linear_step(keep=False)
+    model = torch.nn.Linear(16, 16, bias=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        memlab.estimate(step, model, torch.randn(4, 16), device="cuda")
+    assert [str(warning.message) for warning in caught] == []
+
+
 def test_the_graph_keeps_the_bf16_weight_only_when_backward_needs_it():
     model = torch.nn.Linear(1024, 1024, bias=False)
     step, _ = linear_step(keep=True)
