@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 
 import pytest
@@ -45,6 +46,16 @@ def collected_heap():
     their memory until then; when the collector runs depends on everything run before. One
     collection per file (about 0.1 s), not per test."""
     gc.collect()
+
+
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` during the test, as in a terminal, also where the
+    suite was started with SIGINT ignored (a shell's ``&`` without job control does that, and then
+    Python installs no handler of its own); put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True)

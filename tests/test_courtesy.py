@@ -352,7 +352,7 @@ def test_a_second_yield_that_fails_undoes_only_its_own_moves(tmp_path: Path, mon
 
 @pytest.mark.parametrize("interrupt", ["raised", "signal"])
 def test_ctrl_c_while_parking_puts_every_tensor_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: str, ctrl_c: None
 ):
     tensors = [torch.full((250 + i,), float(i)) for i in range(5)]
     storages = [t.untyped_storage() for t in tensors]
@@ -378,7 +378,7 @@ def test_ctrl_c_while_parking_puts_every_tensor_back(
 
 
 def test_ctrl_c_while_restoring_waits_until_every_tensor_is_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ctrl_c: None
 ):
     tensors = [torch.full((150 + i,), float(i)) for i in range(5)]
     courtesy = Courtesy(device="cpu", offload=tmp_path)

@@ -582,6 +582,8 @@ import importlib.abc, os, signal, sys
 import torch
 import memlab
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started ignoring it
+
 events = []
 
 
