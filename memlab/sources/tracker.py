@@ -17,6 +17,8 @@ readers (:mod:`.statistics`).
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import threading
 import weakref
 from collections import deque
@@ -46,7 +48,7 @@ from memlab.sources.resizes import follow_resizes, sizes_before
 from memlab.sources.statistics import TrackerStatistics
 from memlab.sources.storages import OpCounting, OpKind, StorageRef, collect_storages, unpack
 from memlab.sources.threads import follow_new_threads, unreachable_threads
-from memlab.sources.untraced import untraced_dispatch
+from memlab.sources.untraced import pause_for_op, resume
 from memlab.sources.workspaces import CublasWorkspaces
 
 __all__ = ["OOM_OBSERVERS", "TensorTracker", "active_tracker", "is_active"]
@@ -370,8 +372,14 @@ class TensorTracker(
     #: below directly (that mode is then off the stack): one Python mode fewer per op.
     _below: Any = None
 
-    @untraced_dispatch  # a line profiler's trace is off in here (sources/untraced.py)
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _gettrace() is not None:  # a line profiler's trace is off in here (sources/untraced.py)
+            trace = pause_for_op(func, types)
+            if trace is not None:
+                try:
+                    return _dispatch(self, func, types, args, kwargs)  # this method, untraced
+                finally:
+                    resume(trace)
         kind = self._kinds.get(id(func))  # by id: an OpOverload hashes in Python
         if kind is None or kind.func is not func:
             kind = self._kinds[id(func)] = OpKind(func)
@@ -428,3 +436,9 @@ class TensorTracker(
                     self._drain()
                 if id(storage) not in self._live:
                     self._track(storage)
+
+
+#: ``TensorTracker.__torch_dispatch__`` without the ``torch._disable_dynamo`` wrapper PyTorch puts on
+#: it: what the method calls once it has paused a line profiler's trace.
+_dispatch = inspect.unwrap(TensorTracker.__torch_dispatch__)
+_gettrace = sys.gettrace

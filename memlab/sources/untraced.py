@@ -4,10 +4,11 @@ A ``sys.settrace`` function is called at every new Python frame of the thread, w
 runs: under a line profiler, each op the tracker counts would pay one such call for each of the
 ~20 frames of the tracker's own Python (storage walk, allocator model, history), about as much as
 the tracker itself costs. memlab's line profiler marks its trace functions (:func:`mark_pausable`)
-when they chain no other tool's; :func:`untraced_dispatch` then switches the thread's trace off
-for the duration of one ``__torch_dispatch__`` call and restores it before returning, also on an
-exception, so the next line of the user's code is traced as before. :func:`untraced` does the same
-for the hooks memlab installs in PyTorch (module, gradient and optimizer hooks).
+when they chain no other tool's; the tracker's ``__torch_dispatch__`` then switches the thread's
+trace off for the duration of one call (:func:`pause_for_op`) and puts it back before returning
+(:func:`resume`), also on an exception, so the next line of the user's code is traced as before.
+:func:`untraced` does the same for the hooks memlab installs in PyTorch (module, gradient and
+optimizer hooks).
 
 Nothing a profile shows changes: a line's numbers are sampled at the line events of registered
 frames, never inside an op, and the frames paused are memlab's and torch's (the dispatch, and the
@@ -22,7 +23,7 @@ op itself when it can run no one's Python). Tracing stays on when:
 Python 3.12 and later implement ``sys.settrace`` over ``sys.monitoring``: there, switching the trace
 off and on re-instruments every code object run afterwards (measured on 3.12.1 and 3.13.0: a toggle
 around three small calls costs 5x the tracing it saves; on 3.10 and 3.11 it saves 60%), so the
-wrapper is the method itself and tracing stays on.
+trace is never paused.
 
 What it cannot see: a Python kernel a user registered for an ``aten`` operator, or a user's
 ``__del__``, weak reference callback or signal handler that happens to run during an op, is not
@@ -38,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["PAUSABLE", "mark_pausable", "untraced", "untraced_dispatch"]
+__all__ = ["PAUSABLE", "mark_pausable", "pause_for_op", "resume", "untraced"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,35 +59,37 @@ def mark_pausable(trace: Callable[..., Any], pausable: bool) -> None:
     setattr(trace, PAUSABLE, pausable)
 
 
-def untraced_dispatch(dispatch: F) -> F:
-    """Wrap a ``__torch_dispatch__`` method so that it runs with the thread's trace function
-    switched off when that is memlab's line profiler's alone and the op can run no Python a
-    profile may register (see the module docstring); the trace function is back before the
-    wrapper returns or raises. Costs one ``sys.gettrace()`` per op when nothing traces. On Python
-    3.12 and later it returns ``dispatch`` itself (see the module docstring)."""
-    if sys.version_info >= (3, 12):
-        return dispatch
-    gettrace, settrace, modes_below = sys.gettrace, sys.settrace, torch._C._len_torch_dispatch_stack
-    plain_ops = _plain_ops
+def pause_for_op(func: Any, types: Any) -> Callable[..., Any] | None:
+    """Called by a ``__torch_dispatch__`` when the thread has a trace function (``sys.gettrace()``
+    is not ``None``; checking that first costs the untraced case one builtin call per op): switch
+    the trace off, and return it for :func:`resume`, when it is memlab's line profiler's alone and
+    the op ``func`` (with tensor subclasses ``types``) can run no Python a profile may register (see
+    the module docstring); else ``None``, and tracing stays on. The caller runs the op, then calls
+    ``resume(trace)`` in a ``finally``. Always ``None`` on Python 3.12 and later (see the module
+    docstring)."""
+    if _MONITORED:
+        return None
+    trace = sys.gettrace()
+    if trace is None or types or not getattr(trace, PAUSABLE, False) or _modes_below():
+        return None
+    known = _plain_ops.get(id(func))
+    if known is None:
+        known = _plain_ops[id(func)] = (func, getattr(func, "namespace", None) in _NAMESPACES)
+    if not known[1]:
+        return None
+    sys.settrace(None)
+    return trace
 
-    @functools.wraps(dispatch)
-    def run(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        trace = gettrace()
-        if trace is None or types or not getattr(trace, PAUSABLE, False) or modes_below():
-            return dispatch(self, func, types, args, kwargs)
-        known = plain_ops.get(id(func))
-        if known is None:
-            known = plain_ops[id(func)] = (func, getattr(func, "namespace", None) in _NAMESPACES)
-        if not known[1]:
-            return dispatch(self, func, types, args, kwargs)
-        settrace(None)
-        try:
-            return dispatch(self, func, types, args, kwargs)
-        finally:
-            if gettrace() is None:  # a trace function installed meanwhile stays
-                settrace(trace)
 
-    return run  # type: ignore[return-value]
+def resume(trace: Callable[..., Any]) -> None:
+    """Put back the trace function :func:`pause_for_op` switched off, unless another was installed
+    meanwhile (it stays)."""
+    if sys.gettrace() is None:
+        sys.settrace(trace)
+
+
+_MONITORED = sys.version_info >= (3, 12)
+_modes_below = torch._C._len_torch_dispatch_stack
 
 
 def untraced(hook: F) -> F:

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlab
-from memlab.sources.untraced import mark_pausable, untraced, untraced_dispatch
+from memlab.sources.untraced import mark_pausable, pause_for_op, resume, untraced
 
 # Python 3.12+ keeps tracing on (switching it is dearer than the tracing it saves there).
 PAUSES = sys.version_info < (3, 12)
@@ -24,12 +24,16 @@ class Recording(TorchDispatchMode):
         self.seen: list[Any] = []
         self.fail = fail
 
-    @untraced_dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.seen.append(sys.gettrace())
-        if self.fail:
-            raise RuntimeError("failed in dispatch")
-        return func(*args, **(kwargs or {}))
+        trace = pause_for_op(func, types) if sys.gettrace() is not None else None  # as the tracker does
+        try:
+            self.seen.append(sys.gettrace())
+            if self.fail:
+                raise RuntimeError("failed in dispatch")
+            return func(*args, **(kwargs or {}))
+        finally:
+            if trace is not None:
+                resume(trace)
 
 
 def _trace(frame: Any, event: str, arg: Any) -> None:
