@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from memlab._torch_version import torch_at_least
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
@@ -43,6 +45,26 @@ RUN_TIME = re.compile(r" in \d+\.\d+s\b")
 # gloo reports each rank's connections ("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number
 # of connected peer ranks is : 1").
 TORCHS_OWN_LINES = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\..*\n", re.MULTILINE)
+# Lines the README shows (torch 2.13's output) that the installed torch prints otherwise, each as the
+# README says under the example: torch 2.8's FSDP2 runs its reduce-scatter path at world size 1,
+# where later releases copy the gradients.
+RELEASE_LINES = (
+    {
+        "1 GPUs: 360.1 MiB per GPU at batch 512; 3072 fit in 512 MiB\n": (
+            "1 GPUs: 368.1 MiB per GPU at batch 512; 2816 fit in 512 MiB\n"
+        )
+    }
+    if not torch_at_least(2, 9)
+    else {}
+)
+
+
+def as_this_torch_prints(expected: str) -> str:
+    """``expected`` (README output) with the lines this torch prints otherwise (RELEASE_LINES)."""
+    for shown, printed in RELEASE_LINES.items():
+        expected = expected.replace(shown, printed)
+    return expected
+
 
 # The first line of each block the README marks as not run (what the tests cannot do is said there).
 NOT_RUN = {
@@ -199,7 +221,7 @@ def test_python_block_runs_and_prints_what_the_readme_shows(code, expected, line
     script.write_text(code, encoding="utf-8")
     result = run([sys.executable, str(script)], tmp_path)
     assert result.returncode == 0, f"README.md line {line}:\n{result.stderr}"
-    assert TORCHS_OWN_LINES.sub("", result.stdout) == expected, f"README.md line {line}"
+    assert TORCHS_OWN_LINES.sub("", result.stdout) == as_this_torch_prints(expected), f"README.md line {line}"
 
 
 def test_ipython_blocks_run_as_cells_of_one_session(tmp_path):
