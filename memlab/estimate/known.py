@@ -136,10 +136,15 @@ class KnownValues:
     def propagate(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """After ``func`` made ``out`` from ``args``: the values of its outputs, where it can know them."""
         tensors = _tensors(args, kwargs)
-        values = [self.value(t) for t in tensors]
-        if id(func) in _FINITE_IDS and self._finite(func, args, out, values):
-            return
-        if None not in values and self._computable(func, args, kwargs, tensors, out):
+        if id(func) in _FINITE_IDS:
+            values = [self.value(t) for t in tensors]
+            if self._finite(func, args, out, values):
+                return
+            known = None not in values
+        else:  # most ops: stop at the first input whose value is not known
+            value = self.value
+            known = all(value(t) is not None for t in tensors)
+        if known and self._computable(func, args, kwargs, tensors, out):
             real = self._compute(func, args, kwargs)
             if real is not None and self._attach(out, real, any(_assumed(t) for t in tensors)):
                 return
