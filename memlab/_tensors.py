@@ -103,9 +103,10 @@ def disown(tensors: Iterable[torch.Tensor]) -> None:
     """Leave ``tensors`` (and every tensor sharing their storages) out of the tensors and storages
     found alive from now on, for as long as they live: memlab's own leftovers, never the user's
     data. :func:`memlab.distributed.fake_group` disowns the rank tables of the device meshes made
-    inside it that are still alive after it (PyTorch keeps references to them, in torch 2.11's C++
-    DTensor sharding code; they describe a process group that no longer exists), so that a profile
-    after the block does not count them as tensors of the user's that existed before profiling."""
+    inside it that are still alive after it (PyTorch keeps references to them, in torch 2.8's and
+    2.11's C++ DTensor sharding code; they describe a process group that no longer exists), so that a
+    profile after the block does not count them as tensors of the user's that existed before
+    profiling."""
     for tensor in tensors:
         key = id(tensor)
         _DISOWNED[key] = weakref.ref(tensor, functools.partial(_forget, key))

@@ -131,12 +131,14 @@ def _live_meshes() -> list[Any]:
 def _disown_meshes(before: set[int]) -> None:
     """Disown (:func:`memlab._tensors.disown`) the tensors of the device meshes made inside the
     group that outlive it (their rank tables: ``_rank_map``, ``mesh``). Clearing the caches
-    (:func:`_forget_meshes`) frees them on torch 2.13; torch 2.11's C++ DTensor sharding code
+    (:func:`_forget_meshes`) frees them on torch 2.13; torch 2.8's and 2.11's DTensor sharding code
     keeps references to the argument tuples of the operator schemas it has seen, which hold
     ``DTensorSpec`` objects and their meshes, out of reach of any cache clear. They describe a
     process group that no longer exists and are no one's data: a profile after the block must not
     count them as the user's tensors that existed before profiling. ``before``: the ``id`` of each
-    mesh alive when the group started (a mesh of the user's from before is left counted)."""
+    mesh alive when the group started (a mesh of the user's from before is left counted). Objects
+    frozen by ``gc.freeze()`` are out of ``gc.get_objects()``: a mesh frozen then is not found
+    (memlab's own estimates unfreeze before the group ends)."""
     gc.collect()  # meshes held only by reference cycles go first
     for mesh in _live_meshes():
         if id(mesh) in before:
