@@ -142,9 +142,8 @@ def without_dispatch_frames(error: BaseException) -> None:
     """Cut from ``error``'s traceback the frames the measuring tracker added to a failing op: its
     ``__torch_dispatch__`` (twice where it paused a line profiler's trace:
     :func:`~memlab.sources.untraced.pause_for_op`), PyTorch's ``_disable_dynamo`` wrapper around it
-    and the op called from there, so that the
-    traceback ends where the test's own code called the op, as it does unmeasured. An error raised
-    by memlab's own code is left as it is."""
+    and the op called from there, so that the traceback ends where the test's own code called the
+    op, as it does unmeasured. An error raised by memlab's own code is left as it is."""
     entries = []
     tb = error.__traceback__
     while tb is not None:
