@@ -373,9 +373,9 @@ class TensorTracker(
     _below: Any = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if _gettrace() is not None:  # a line profiler's trace is off in here (sources/untraced.py)
-            trace = pause_for_op(func, types)
-            if trace is not None:
+        trace = _gettrace()
+        if trace is not None:  # a line profiler's trace is off in here (sources/untraced.py)
+            if pause_for_op(trace, func, types):
                 try:
                     return _dispatch(self, func, types, args, kwargs)  # this method, untraced
                 finally:

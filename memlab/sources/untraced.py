@@ -59,26 +59,23 @@ def mark_pausable(trace: Callable[..., Any], pausable: bool) -> None:
     setattr(trace, PAUSABLE, pausable)
 
 
-def pause_for_op(func: Any, types: Any) -> Callable[..., Any] | None:
-    """Called by a ``__torch_dispatch__`` when the thread has a trace function (``sys.gettrace()``
-    is not ``None``; checking that first costs the untraced case one builtin call per op): switch
-    the trace off, and return it for :func:`resume`, when it is memlab's line profiler's alone and
-    the op ``func`` (with tensor subclasses ``types``) can run no Python a profile may register (see
-    the module docstring); else ``None``, and tracing stays on. The caller runs the op, then calls
-    ``resume(trace)`` in a ``finally``. Always ``None`` on Python 3.12 and later (see the module
-    docstring)."""
-    if _MONITORED:
-        return None
-    trace = sys.gettrace()
-    if trace is None or types or not getattr(trace, PAUSABLE, False) or _modes_below():
-        return None
+def pause_for_op(trace: Callable[..., Any], func: Any, types: Any) -> bool:
+    """Called by a ``__torch_dispatch__`` with the thread's trace function ``trace`` (the caller
+    reads ``sys.gettrace()`` first and calls this only when it is not ``None``: the untraced case
+    costs one builtin call per op): switch the trace off and return True when it is memlab's line
+    profiler's alone and the op ``func`` (with tensor subclasses ``types``) can run no Python a
+    profile may register (see the module docstring); else False, and tracing stays on. After True
+    the caller runs the op, then calls ``resume(trace)`` in a ``finally``. Always False on Python
+    3.12 and later (see the module docstring)."""
+    if _MONITORED or types or not getattr(trace, PAUSABLE, False) or _modes_below():
+        return False
     known = _plain_ops.get(id(func))
     if known is None:
         known = _plain_ops[id(func)] = (func, getattr(func, "namespace", None) in _NAMESPACES)
     if not known[1]:
-        return None
+        return False
     sys.settrace(None)
-    return trace
+    return True
 
 
 def resume(trace: Callable[..., Any]) -> None:

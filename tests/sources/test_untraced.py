@@ -25,14 +25,15 @@ class Recording(TorchDispatchMode):
         self.fail = fail
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        trace = pause_for_op(func, types) if sys.gettrace() is not None else None  # as the tracker does
+        trace = sys.gettrace()  # as the tracker does
+        paused = trace is not None and pause_for_op(trace, func, types)
         try:
             self.seen.append(sys.gettrace())
             if self.fail:
                 raise RuntimeError("failed in dispatch")
             return func(*args, **(kwargs or {}))
         finally:
-            if trace is not None:
+            if paused:
                 resume(trace)
 
 
