@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -59,7 +61,18 @@ class InPlaceReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> None:
-        dist.all_reduce(input_tensor, op=op, group=group)
+        # gloo's worker thread drops its reference to the tensors of a collective a moment after
+        # the collective completes (ProcessGroupGloo::runLoop): the last reduce-scatter input
+        # could outlive FSDP's own reference and be read as allocated after the step, on a loaded
+        # machine only. NCCL keeps nothing: hand gloo a view and wait until gloo has let it go
+        # (its Python object lives as long as any C++ reference to it does).
+        view = input_tensor.view(-1)
+        released = threading.Event()
+        weakref.finalize(view, released.set)
+        dist.all_reduce(view, op=op, group=group)
+        del view
+        if not released.wait(timeout=60):
+            raise RuntimeError("gloo still holds a reduce-scatter input 60 s after the collective")
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
 
 
