@@ -14,6 +14,12 @@ under a global ``sys.settrace`` callback that returns ``None`` for every frame (
 ``sys.settrace`` profiler: one Python call per frame), also marked as memlab's own trace functions
 are (the tracker switches it off inside its dispatch: :mod:`memlab.sources.untraced`).
 
+The least any design on these mechanisms costs: a dispatch mode that only counts new storages and
+their release (:class:`LeastCounting`: no allocator model, no history), alone and under the least
+line tracer Python 3.11's ``sys.settrace`` allows (:func:`least_line_tracer`: a global callback at
+every frame's call, a counter at each line of the profiled function). Row 3's goal is under what
+that pair costs (README, "How close to the floor").
+
 Row 3b: the same with a small ``nn.Module`` (2 layers, hidden 64) run forward and backward
 (no goal: recorded). Row 3c: row 3b inside a tracker that records history and memory per module
 (as ``memlab run --by-module`` enters), where memlab's module hooks and saved-tensor hook run
@@ -34,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +93,52 @@ class PassThrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
+
+
+class LeastCounting(TorchDispatchMode):
+    """The least any allocation counter in a Python dispatch mode does: each new output storage gets
+    a weak reference whose callback subtracts its bytes; a running total and peak. No allocator
+    model, history, threads or nesting: the floor of rows 3 and 4 for any design built on a mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, Any] = {}
+        self.allocated = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if type(out) is torch.Tensor:
+            storage = out.untyped_storage()
+            key = id(storage)
+            if key not in self.live:
+                nbytes = storage.nbytes()
+                self.allocated += nbytes
+                self.peak = max(self.peak, self.allocated)
+                self.live[key] = weakref.ref(
+                    storage, lambda _, key=key, nbytes=nbytes: self._free(key, nbytes)
+                )
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live.pop(key, None)
+        self.allocated -= nbytes
+
+
+def least_line_tracer(code: Any) -> Callable[..., Any]:
+    """The least a ``sys.settrace`` line profiler does on Python 3.11: a global callback at every
+    frame's call (the only way to reach the profiled frame), and one that counts the line events of
+    ``code``'s frames. Each op's Python frames (the mode's handler, ``OpOverload.__call__``, the
+    ``torch._disable_dynamo`` wrapper) get the call event too."""
+    lines = [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        lines[0] += 1
+        return local
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code is code else None
+
+    return trace
 
 
 def _none(frame: Any, event: str, arg: Any) -> None:
@@ -177,6 +230,10 @@ def bench_ops(
     variants = {
         "unprofiled": plain,
         "pass-through mode": under(PassThrough, plain),
+        "least counting mode": under(LeastCounting, plain),
+        "least counting mode + least line tracer": under(
+            LeastCounting, traced(least_line_tracer(func.__code__), plain)
+        ),
         "tracker": under(lambda: tracker, plain),
         "tracker + settrace(None-returning)": under(lambda: tracker, traced(_none, plain)),
         "tracker + pausable settrace(None-returning)": under(lambda: tracker, traced(_none_pausable, plain)),
