@@ -40,7 +40,6 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +49,7 @@ from bench_line_profiler import (  # this folder is on sys.path as a script
     do_nothing_tracer,
     traced,
 )
+from bench_tracker import LeastCounting
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memlab
@@ -93,35 +93,6 @@ class PassThrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
-
-
-class LeastCounting(TorchDispatchMode):
-    """The least any allocation counter in a Python dispatch mode does: each new output storage gets
-    a weak reference whose callback subtracts its bytes; a running total and peak. No allocator
-    model, history, threads or nesting: the floor of rows 3 and 4 for any design built on a mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, Any] = {}
-        self.allocated = self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if type(out) is torch.Tensor:
-            storage = out.untyped_storage()
-            key = id(storage)
-            if key not in self.live:
-                nbytes = storage.nbytes()
-                self.allocated += nbytes
-                self.peak = max(self.peak, self.allocated)
-                self.live[key] = weakref.ref(
-                    storage, lambda _, key=key, nbytes=nbytes: self._free(key, nbytes)
-                )
-        return out
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.live.pop(key, None)
-        self.allocated -= nbytes
 
 
 def least_line_tracer(code: Any) -> Callable[..., Any]:

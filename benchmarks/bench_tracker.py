@@ -18,6 +18,8 @@ import os
 import statistics
 import time
 import warnings
+import weakref
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,6 +30,41 @@ import memlab
 class PassThrough(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+class LeastCounting(TorchDispatchMode):
+    """The least any allocation counter in a Python dispatch mode does: each new output storage gets
+    a weak reference whose callback subtracts its bytes; a running total and peak. No history,
+    threads or nesting: the floor of any design built on a mode. With ``allocator`` (a
+    :class:`memlab.CachingAllocatorModel`), each storage is also malloc'd and freed in it: the
+    least a mode that models the CUDA caching allocator does."""
+
+    def __init__(self, allocator: Any = None) -> None:
+        super().__init__()
+        self.live: dict[int, Any] = {}
+        self.allocated = self.peak = 0
+        self.allocator = allocator
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if type(out) is torch.Tensor:
+            storage = out.untyped_storage()
+            key = id(storage)
+            if key not in self.live:
+                nbytes = storage.nbytes()
+                self.allocated += nbytes
+                self.peak = max(self.peak, self.allocated)
+                handle = self.allocator.malloc(nbytes) if self.allocator is not None and nbytes else None
+                self.live[key] = weakref.ref(
+                    storage, lambda _, k=key, n=nbytes, h=handle: self._free(k, n, h)
+                )
+        return out
+
+    def _free(self, key: int, nbytes: int, handle: Any) -> None:
+        self.live.pop(key, None)
+        self.allocated -= nbytes
+        if handle is not None:
+            self.allocator.free(handle)
 
 
 class CountOps(TorchDispatchMode):
@@ -109,6 +146,8 @@ def main() -> None:
     contexts = {
         "no mode": lambda m, o: contextlib.nullcontext(),
         "pass-through TorchDispatchMode": lambda m, o: PassThrough(),
+        "least counting mode": lambda m, o: LeastCounting(),
+        "least counting + allocator model": lambda m, o: LeastCounting(memlab.CachingAllocatorModel()),
         "memlab TensorTracker (cuda model)": lambda m, o: memlab.TensorTracker(),
         "memlab TensorTracker (exact)": lambda m, o: memlab.TensorTracker(allocator=None),
         "torch MemTracker": mem_tracker,
