@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         set_target_gpu,
     )
     from memlab.oom import explain_oom
+    from memlab.plan import Plan
     from memlab.reporter import MemReporter
     from memlab.sources.allocator import CachingAllocatorModel
     from memlab.sources.stats import STAT_KEYS
@@ -58,6 +59,7 @@ _LAZY = {
     "profile_every": "memlab.line_profiler",
     "set_target_gpu": "memlab.line_profiler",
     "explain_oom": "memlab.oom",
+    "Plan": "memlab.plan.planner",
     "MemReporter": "memlab.reporter",
     "CachingAllocatorModel": "memlab.sources.allocator",
     "STAT_KEYS": "memlab.sources.stats",
@@ -75,25 +77,29 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, "estimate"})
+    return sorted({*globals(), *_LAZY, "estimate", "plan"})
+
+
+def _function_over_subpackage(name: str, module: str) -> property:
+    """``memlab.<name>``, the function ``module`` defines, which is also the name of the subpackage
+    that holds it: importing the subpackage (``from memlab.estimate import max_batch_size``) makes
+    Python set the package's attribute to the subpackage; this property keeps the function (the
+    subpackage stays in ``sys.modules``), imported at the first use."""
+
+    def get(self: types.ModuleType) -> Any:
+        return getattr(importlib.import_module(module), name)
+
+    def record(self: types.ModuleType, value: Any) -> None:
+        pass  # the import system recording the subpackage: the name stays the function
+
+    return property(get, record, doc=f":func:`{module}.{name}`, imported at the first use.")
 
 
 class _Package(types.ModuleType):
-    """memlab's module type, for one name: ``memlab.estimate`` is the function, while
-    ``memlab/estimate/`` is also the subpackage that defines it. Importing the subpackage (``from
-    memlab.estimate import max_batch_size``) makes Python set the package's attribute to the
-    subpackage; the property keeps the function (the subpackage stays in ``sys.modules``)."""
+    """memlab's module type, for the names that are both a function and the subpackage defining it."""
 
-    @property
-    def estimate(self) -> Any:
-        """:func:`memlab.estimate.estimate.estimate`, imported at the first use."""
-        from memlab.estimate.estimate import estimate
-
-        return estimate
-
-    @estimate.setter
-    def estimate(self, value: Any) -> None:
-        pass  # the import system recording the subpackage: the name stays the function
+    estimate = _function_over_subpackage("estimate", "memlab.estimate.estimate")
+    plan = _function_over_subpackage("plan", "memlab.plan.planner")
 
 
 sys.modules[__name__].__class__ = _Package
@@ -141,6 +147,7 @@ __all__ = [
     "EstimateError",
     "LineProfiler",
     "MemReporter",
+    "Plan",
     "TensorTracker",
     "__version__",
     "autobatch",
@@ -150,6 +157,7 @@ __all__ = [
     "explain_oom",
     "load_ipython_extension",
     "max_batch_size",
+    "plan",
     "plot_memory",
     "profile",
     "profile_every",

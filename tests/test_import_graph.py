@@ -78,7 +78,8 @@ LAYERS = {
     # 5: estimates; beyond one process
     "memlab.estimate": 5,
     "memlab.distributed": 5,
-    # 6: out-of-memory post-mortems
+    # 6: the planner; out-of-memory post-mortems
+    "memlab.plan": 6,
     "memlab.oom": 6,
     # 7: the shells and the public face, which wires the layers together
     "memlab": 7,

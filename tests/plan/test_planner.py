@@ -1,0 +1,248 @@
+"""memlab.plan: the fewest blocks to checkpoint for a step to fit a budget, checked against real
+tracked runs under that budget (``TensorTracker(capacity=budget)``), PyTorch's own FLOP counter and
+a model nobody here wrote (``torch.nn.TransformerEncoder``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import memlab
+from memlab.history import categories
+from memlab.plan import Plan
+from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, uncheckpoint
+from tests.estimate.test_steady_state import assert_same, snapshot
+
+STEPS = 2
+AS_IT_IS = 432_013_312  # the step's estimate, reserved bytes at peak (checked against a real run below)
+BUDGET = AS_IT_IS * 5 // 8  # the step needs 1.6 times the budget
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        d_model=128, nhead=4, dim_feedforward=512, dropout=0.0, batch_first=True
+    )
+    return torch.nn.TransformerEncoder(layer, num_layers=6, enable_nested_tensor=False)
+
+
+def train_step(model, optimizer, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+@pytest.fixture
+def job():
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(1)
+    return model, optimizer, torch.randn(32, 256, 128)
+
+
+@pytest.fixture
+def fitting(job) -> Plan:
+    return memlab.plan(train_step, *job, budget=BUDGET, steps=STEPS)
+
+
+def tracked_steps(model, optimizer, x, capacity=None) -> dict[str, int]:
+    """Real steps under a tracker that adopted the model, optimizer and batch first (the order an
+    estimate adopts them in), capped at ``capacity``."""
+    with memlab.TensorTracker(capacity=capacity) as tracker:
+        tracker.adopt(roots=[model])
+        tracker.adopt(roots=[optimizer])
+        tracker.adopt(roots=[x], category=categories.INPUT)
+        for _ in range(STEPS):
+            train_step(model, optimizer, x)
+    return {"reserved": tracker.max_memory_reserved(), "allocated": tracker.max_memory_allocated()}
+
+
+def real_flops(model, optimizer, x) -> int:
+    with FlopCounterMode(display=False) as counter:
+        for _ in range(STEPS):
+            train_step(model, optimizer, x)
+    return counter.get_total_flops()
+
+
+def test_the_estimate_as_it_is_is_a_real_runs(job):
+    assert tracked_steps(*job)["reserved"] == AS_IT_IS
+
+
+def test_a_step_that_needs_1_6_times_the_budget_fits_when_the_plan_is_applied(job, fitting):
+    model, optimizer, x = job
+    assert fitting.fits
+    assert fitting.checkpointed == ["layers.0", "layers.1", "layers.2", "layers.3"]  # not all 6
+    assert fitting.baseline.peak_reserved == AS_IT_IS
+    with fitting.apply(model):
+        assert [is_checkpointed(layer) for layer in model.layers] == [True] * 4 + [False] * 2
+        real = tracked_steps(model, optimizer, x, capacity=BUDGET)  # completes: no OutOfMemoryError
+    assert real == {"reserved": fitting.estimate.peak_reserved, "allocated": fitting.estimate.peak_allocated}
+    assert real["reserved"] <= BUDGET
+    assert not any("forward" in vars(module) for module in model.modules())  # removed
+
+
+def test_one_block_fewer_does_not_fit_in_a_real_run(job, fitting):
+    model, optimizer, x = job
+    fewer = [model.get_submodule(name) for name in fitting.checkpointed[:-1]]
+    checkpoint(fewer)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            tracked_steps(model, optimizer, x, capacity=BUDGET)
+    finally:
+        uncheckpoint(fewer)
+
+
+def test_the_plan_as_a_table(fitting):
+    assert repr(fitting) == (
+        "Plan for a budget of 257.50M: checkpoint 4 of 6 blocks (layers.0 to layers.3): +22.5% compute\n"
+        "  as it is: 412.00M reserved at peak\n"
+        "  planned:  236.00M reserved at peak (within the budget)\n"
+        "  blocks checkpointed  fits  peak reserved (unbounded)\n"
+        "                   0    no        412.00M\n"
+        "                   2    no        324.00M\n"
+        "                   3    no        280.00M\n"
+        "                   4   yes        236.00M\n"
+        "                   5   yes        196.00M"
+    )
+
+
+def test_the_recomputed_flops_are_those_pytorchs_counter_counts_in_a_real_run(job, fitting):
+    model, optimizer, x = job
+    before = real_flops(model, optimizer, x)
+    with fitting.apply(model):
+        after = real_flops(model, optimizer, x)
+    assert fitting.baseline_flops == before
+    assert fitting.recomputed_flops == after - before > 0
+    assert fitting.extra_compute == (after - before) / before
+
+
+def test_the_pasted_code_checkpoints_the_same_blocks(job, fitting):
+    model, optimizer, x = job
+    exec(fitting.code, {"model": model})
+    try:
+        assert (
+            tracked_steps(model, optimizer, x, capacity=BUDGET)["reserved"] == fitting.estimate.peak_reserved
+        )
+    finally:
+        for name in fitting.checkpointed:
+            del model.get_submodule(name).forward
+
+
+def test_a_generous_budget_needs_no_change(job):
+    found = memlab.plan(train_step, *job, budget=AS_IT_IS, steps=STEPS)
+    assert (found.fits, found.checkpointed, found.recomputed_flops) == (True, [], 0)
+    assert found.tried == [(0, True, AS_IT_IS)]
+    assert found.code == "# no change needed"
+    assert repr(found).splitlines()[0] == "Plan for a budget of 412.00M: no change needed"
+
+
+def test_an_impossible_budget_is_said_and_cannot_be_applied(job):
+    model = job[0]
+    found = memlab.plan(train_step, *job, budget="160 MiB", steps=STEPS)
+    verdict = (
+        "does not fit with these knobs: the least the step needs is 196.00M reserved, with 5 of 6 blocks "
+        "checkpointed"
+    )
+    assert not found.fits
+    assert [(count, fits) for count, fits, _ in found.tried] == [(0, False), (5, False), (6, False)]
+    assert found.estimate.peak_reserved == 196 * 2**20 and found.checkpointed == [
+        f"layers.{i}" for i in range(5)
+    ]
+    assert repr(found).splitlines()[0] == f"Plan for a budget of 160.00M: {verdict}"
+    assert found.code == f"# {verdict}"
+    with pytest.raises(ValueError, match=r"^this plan does not fit the budget of 160.00M: does not fit with"):
+        found.apply(model)
+    assert not any(is_checkpointed(module) for module in model.modules())
+
+
+def test_checkpointing_the_last_block_too_needs_more_in_a_real_run(job):
+    model, optimizer, x = job
+    needs = {}
+    for count in (5, 6):
+        checkpoint(model.layers[:count])
+        try:
+            needs[count] = tracked_steps(model, optimizer, x)["reserved"]
+        finally:
+            uncheckpoint(model.layers)
+    assert needs == {5: 196 * 2**20, 6: 208 * 2**20}
+
+
+def test_planning_changes_nothing_of_the_users(job):
+    model, optimizer, x = job
+    train_step(model, optimizer, x)  # optimizer state and a trained model
+    before = snapshot(model, optimizer)
+    memlab.plan(train_step, model, optimizer, x, budget=BUDGET, steps=STEPS)
+    assert_same(before, snapshot(model, optimizer))
+    assert not any("forward" in vars(module) for module in model.modules())
+
+
+def test_a_failing_step_leaves_no_block_checkpointed(job):
+    def fails_once_a_block_is_checkpointed(model, optimizer, x):
+        if is_checkpointed(model.layers[0]):  # the estimate's copy is checkpointed as the model is
+            raise RuntimeError("boom")
+        return train_step(model, optimizer, x)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        memlab.plan(fails_once_a_block_is_checkpointed, *job, budget=BUDGET, steps=STEPS)
+    assert not any("forward" in vars(module) for module in job[0].modules())
+
+
+def test_a_plan_applies_to_a_model_built_the_same_way_with_the_same_results(fitting):
+    plain, checkpointed = make_model(), make_model()
+    x = torch.randn(4, 16, 128)
+    fitting.apply(checkpointed)
+    try:
+        for model in (plain, checkpointed):
+            model(x).square().mean().backward()
+        assert torch.equal(plain(x), checkpointed(x))
+        for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+        assert plain.state_dict().keys() == checkpointed.state_dict().keys()
+    finally:
+        fitting.remove()
+    assert not any("forward" in vars(module) for module in checkpointed.modules())
+
+
+def test_a_plan_for_another_model_is_refused_and_changes_nothing(fitting):
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"^the model has no module 'layers.0': apply the plan to the model"):
+        fitting.apply(other)
+    assert not any("forward" in vars(module) for module in other.modules())
+
+
+def test_blocks_are_the_repeated_layers_else_the_children_with_parameters():
+    assert [name for name, _ in candidate_blocks(make_model())] == [f"layers.{i}" for i in range(6)]
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert [name for name, _ in candidate_blocks(mlp)] == ["0", "2"]
+
+
+def test_checkpointing_twice_and_undoing_keeps_a_forward_of_the_users():
+    module = torch.nn.Linear(2, 2)
+    own = module.forward  # an instance forward of the user's, set before
+    module.forward = own
+    checkpoint([module, module])
+    assert is_checkpointed(module) and module.forward.forward is own
+    uncheckpoint([module])
+    assert module.__dict__["forward"] is own
+
+
+@pytest.mark.parametrize(
+    ("args", "budget", "error", "message"),
+    [
+        ((torch.zeros(1),), "1 GiB", TypeError, "plan needs the model among the step's arguments"),
+        (
+            (torch.nn.Linear(2, 2),),
+            "1 GiB",
+            ValueError,
+            "Linear has no submodule with parameters to checkpoint",
+        ),
+        ((make_model(),), "0 GiB", ValueError, "budget must be a size above 0 bytes"),
+        ((make_model(),), "lots", ValueError, "budget"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, budget, error, message):
+    with pytest.raises(error, match=message):
+        memlab.plan(lambda *a: None, *args, budget=budget)
