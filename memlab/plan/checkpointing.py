@@ -3,9 +3,12 @@ chooses from.
 
 A checkpointed module runs its forward under ``torch.utils.checkpoint.checkpoint`` (non-reentrant,
 PyTorch's recommended form): the tensors its forward saves for backward are dropped after the
-forward and recomputed in the backward pass. The module's ``forward`` is replaced on the instance
-(:class:`Checkpointed`), so its class, its parameters' names, its ``state_dict`` and its hooks are
-unchanged, a ``copy.deepcopy`` of the model (an estimate's copies) is checkpointed the same way, and
+forward and recomputed in the backward pass. A Hugging Face layer (``GradientCheckpointingLayer``)
+is switched on with its own per-layer switch, which also drops its KV cache arguments (a
+recomputed forward would append to the cache twice: ``CheckpointError``); any other module gets its
+``forward`` replaced on the instance (:class:`Checkpointed`). Either way only instance attributes
+change: the class, the parameters' names, the ``state_dict`` and the hooks stay as they are, a
+``copy.deepcopy`` of the model (an estimate's copies) is checkpointed the same way, and
 :func:`uncheckpoint` puts back exactly what was there.
 """
 
@@ -16,7 +19,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Checkpointed", "candidate_blocks", "checkpoint", "is_checkpointed", "uncheckpoint"]
+__all__ = [
+    "Checkpointed",
+    "LayerCheckpoint",
+    "candidate_blocks",
+    "checkpoint",
+    "is_checkpointed",
+    "is_layer",
+    "uncheckpoint",
+]
 
 _NOTHING = object()  # the module had no forward of its own on the instance
 
@@ -34,15 +45,49 @@ class Checkpointed:
         return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 
 
+class LayerCheckpoint:
+    """The checkpoint function given to a Hugging Face ``GradientCheckpointingLayer`` (its own per-layer
+    switch: ``gradient_checkpointing``), which also drops the layer's KV cache arguments while it
+    is checkpointed: a recomputed forward would append to the cache again. ``previous``: the
+    instance's own ``gradient_checkpointing`` and ``_gradient_checkpointing_func`` before."""
+
+    def __init__(self, previous: tuple[Any, Any]) -> None:
+        self.previous = previous
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def is_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face ``GradientCheckpointingLayer`` (found by name: the
+    framework is not imported)."""
+    return any(cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__)
+
+
 def is_checkpointed(module: torch.nn.Module) -> bool:
-    """Whether :func:`checkpoint` wrapped ``module``'s forward (and :func:`uncheckpoint` did not undo it)."""
-    return isinstance(module.__dict__.get("forward"), Checkpointed)
+    """Whether :func:`checkpoint` checkpointed ``module`` (and :func:`uncheckpoint` did not undo it)."""
+    return isinstance(module.__dict__.get("forward"), Checkpointed) or (
+        isinstance(module.__dict__.get("_gradient_checkpointing_func"), LayerCheckpoint)
+        and module.__dict__.get("gradient_checkpointing") is True
+    )
 
 
 def checkpoint(modules: Iterable[torch.nn.Module]) -> None:
-    """Checkpoint each of ``modules`` (already checkpointed ones are left as they are)."""
+    """Checkpoint each of ``modules`` (already checkpointed ones are left as they are): a Hugging Face
+    layer through its own switch (:class:`LayerCheckpoint`), any other module by its forward
+    (:class:`Checkpointed`)."""
     for module in modules:
-        if not is_checkpointed(module):
+        if is_checkpointed(module):
+            continue
+        if is_layer(module):
+            own = vars(module)
+            previous = (
+                own.get("gradient_checkpointing", _NOTHING),
+                own.get("_gradient_checkpointing_func", _NOTHING),
+            )
+            module._gradient_checkpointing_func = LayerCheckpoint(previous)
+            module.gradient_checkpointing = True
+        else:
             previous = module.__dict__.get("forward", _NOTHING)
             module.forward = Checkpointed(module.forward, previous)  # type: ignore[method-assign]
 
@@ -50,12 +95,22 @@ def checkpoint(modules: Iterable[torch.nn.Module]) -> None:
 def uncheckpoint(modules: Iterable[torch.nn.Module]) -> None:
     """Undo :func:`checkpoint` on each of ``modules`` (others are left as they are)."""
     for module in modules:
-        wrapper = module.__dict__.get("forward")
+        own = vars(module)
+        wrapper = own.get("forward")
         if isinstance(wrapper, Checkpointed):
-            if wrapper.previous is _NOTHING:
-                del module.forward
-            else:
-                module.forward = wrapper.previous  # type: ignore[method-assign]
+            _put_back(module, "forward", wrapper.previous)
+        function = own.get("_gradient_checkpointing_func")
+        if isinstance(function, LayerCheckpoint):
+            switch, previous_function = function.previous
+            _put_back(module, "gradient_checkpointing", switch)
+            _put_back(module, "_gradient_checkpointing_func", previous_function)
+
+
+def _put_back(module: torch.nn.Module, name: str, value: Any) -> None:
+    if value is _NOTHING:
+        delattr(module, name)
+    else:
+        setattr(module, name, value)
 
 
 def candidate_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

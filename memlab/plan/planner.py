@@ -37,7 +37,7 @@ from memlab._units import check_count, format_size
 from memlab.estimate.capped import completes_under
 from memlab.estimate.estimate import Estimate, estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
-from memlab.plan.checkpointing import candidate_blocks, checkpoint, uncheckpoint
+from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer, uncheckpoint
 
 __all__ = ["Plan", "plan"]
 
@@ -51,7 +51,9 @@ class Plan:
     tried that needs the least (unbounded); ``baseline``: the step's estimate as it is;
     ``recomputed_flops``: the FLOPs the checkpointed blocks' forwards run again per step (per call
     of the step, summed over ``steps``; FlopCounterMode's ops); ``tried``: each configuration
-    estimated, as ``(blocks checkpointed, fits, peak reserved bytes of the unbounded run)``.
+    estimated, as ``(blocks checkpointed, fits, peak reserved bytes of the unbounded run)``;
+    ``layers``: the blocks are Hugging Face layers, checkpointed with their own switch (:attr:`code`
+    says how).
 
     :meth:`apply` checkpoints those modules of a model (the one ``plan`` was given, or one of the
     same structure); :meth:`remove` undoes it."""
@@ -68,8 +70,10 @@ class Plan:
         recomputed_flops: int,
         baseline_flops: int,
         tried: list[tuple[int, bool, int]],
+        layers: bool = False,
     ) -> None:
         self.fits = fits
+        self.layers = layers
         self.budget = budget
         self.blocks = blocks
         self.checkpointed = checkpointed
@@ -127,6 +131,15 @@ class Plan:
         if not self.checkpointed:
             return "# no change needed"
         names = ", ".join(repr(name) for name in self.checkpointed)
+        if self.layers:  # Hugging Face layers: their own switch
+            return (
+                "import functools, torch.utils.checkpoint\n"
+                f"for name in [{names}]:\n"
+                "    layer = model.get_submodule(name)\n"
+                "    layer.gradient_checkpointing = True\n"
+                "    layer._gradient_checkpointing_func = functools.partial(\n"
+                "        torch.utils.checkpoint.checkpoint, use_reentrant=False)"
+            )
         return (
             "import functools, torch.utils.checkpoint\n"
             f"for name in [{names}]:\n"
@@ -257,6 +270,7 @@ def plan(
         recomputed_flops=flops(chosen) - baseline_flops if chosen else 0,
         baseline_flops=baseline_flops,
         tried=tried,
+        layers=is_layer(blocks[0][1]),
     )
 
 

@@ -1,0 +1,88 @@
+"""memlab.plan on a Hugging Face Llama built from a config (a model nobody here wrote): its layers are
+checkpointed with their own switch, which drops the KV cache a recomputed forward would append to
+twice; the plan fits when applied, in a real tracked run under the budget, as pasted code too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import memlab
+from memlab.history import categories
+from memlab.plan.checkpointing import is_checkpointed
+
+VOCAB = 512
+STEPS = 2
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def train_step(model, optimizer, tokens):
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def tracked_steps(model, optimizer, tokens, capacity=None) -> dict[str, int]:
+    with memlab.TensorTracker(capacity=capacity) as tracker:
+        tracker.adopt(roots=[model])
+        tracker.adopt(roots=[optimizer])
+        tracker.adopt(roots=[tokens], category=categories.INPUT)
+        for _ in range(STEPS):
+            train_step(model, optimizer, tokens)
+    return {"reserved": tracker.max_memory_reserved(), "allocated": tracker.max_memory_allocated()}
+
+
+@pytest.fixture(scope="module")
+def job():
+    model = make_model()
+    torch.manual_seed(1)
+    return model, torch.optim.AdamW(model.parameters()), torch.randint(0, VOCAB, (8, 256))
+
+
+@pytest.fixture(scope="module")
+def found(job):
+    return memlab.plan(train_step, *job, budget="284 MiB", steps=STEPS)
+
+
+def test_a_llama_plan_fits_when_applied_in_a_real_run(job, found):
+    model, optimizer, tokens = job
+    before = [dict(vars(module)) for module in model.modules()]
+    assert (found.fits, found.layers) == (True, True)
+    assert found.checkpointed == ["model.layers.0", "model.layers.1"]
+    assert found.baseline.peak_reserved == tracked_steps(model, optimizer, tokens)["reserved"] == 354 * 2**20
+    with found.apply(model):
+        assert [is_checkpointed(layer) for layer in model.model.layers] == [True, True, False, False]
+        real = tracked_steps(model, optimizer, tokens, capacity="284 MiB")
+    assert real == {"reserved": found.estimate.peak_reserved, "allocated": found.estimate.peak_allocated}
+    assert [dict(vars(module)) for module in model.modules()] == before  # removed: as it was
+
+
+def test_the_pasted_code_uses_the_layers_own_switch(job, found):
+    model, optimizer, tokens = job
+    assert "layer.gradient_checkpointing = True" in found.code
+    exec(found.code, {"model": model})
+    try:
+        assert (
+            tracked_steps(model, optimizer, tokens, capacity="284 MiB")["reserved"]
+            == found.estimate.peak_reserved
+        )
+    finally:
+        for name in found.checkpointed:
+            layer = model.get_submodule(name)
+            del layer.gradient_checkpointing, layer._gradient_checkpointing_func
