@@ -8,13 +8,15 @@ when run: its estimate is the plan's, byte for byte.
 
 The knob searched is activation checkpointing of whole blocks (:func:`~memlab.plan.checkpointing.
 candidate_blocks`: a transformer's layers), the first ``k`` of them, for the least ``k`` that fits,
-by bisection over ``k`` from 0 to all blocks but the last: it assumes that checkpointing one more
-of those never needs more memory (its activations are freed in the forward and recomputed late in
-the backward, when less is held). The last block is the exception: its recompute runs first in the
-backward, while everything else is still held, and can need more than its saved activations (a
-6-layer ``TransformerEncoder``: 196 MiB reserved with 5 checkpointed, 208 MiB with all 6), so
-"all blocks" is tried only when all but the last do not fit. Whatever the assumption, a plan that
-fits is the estimate of exactly that configuration under the budget.
+searched between 0 and all blocks but the last, each try where the peaks of the two known ends,
+taken as a straight line, reach the budget (blocks of a stack free about as much each). It
+assumes that checkpointing one more of those never needs more memory (its activations are freed
+in the forward and recomputed late in the backward, when less is held). The last block is the
+exception: its recompute runs first in the backward, while everything else is still held, and can
+need more than its saved activations (a 6-layer ``TransformerEncoder``: 196 MiB reserved with 5
+checkpointed, 208 MiB with all 6), so "all blocks" is tried only when all but the last do not
+fit. Whatever the assumption, a plan that fits is the estimate of exactly that configuration under
+the budget.
 
 Each checkpointed block runs its forward again in the backward pass (up to the last tensor the
 backward needs: PyTorch's non-reentrant checkpoint stops there): the plan's extra compute is the
@@ -49,8 +51,9 @@ class Plan:
     ``peak_reserved`` is what a ``TensorTracker(capacity=budget)`` run of the applied step reports);
     for a plan that does not fit, :attr:`checkpointed` and ``estimate`` are those of the configuration
     tried that needs the least (unbounded); ``baseline``: the step's estimate as it is;
-    ``recomputed_flops``: the FLOPs the checkpointed blocks' forwards run again per step (per call
-    of the step, summed over ``steps``; FlopCounterMode's ops); ``tried``: each configuration
+    ``recomputed_flops``: the FLOPs the checkpointed blocks' forwards run again in one step
+    (FlopCounterMode's ops), ``baseline_flops`` those of one step as it is (0 for a plan that
+    changes nothing); ``tried``: each configuration
     estimated, as ``(blocks checkpointed, fits, peak reserved bytes of the unbounded run)``;
     ``layers``: the blocks are Hugging Face layers, checkpointed with their own switch (:attr:`code`
     says how).
@@ -214,12 +217,12 @@ def plan(
             return estimate(step, *args, steps=steps, gpu=gpu, device=device, **kwargs)
 
     def flops(count: int) -> int:
-        """The step's FLOPs (summed over the steps) with ``count`` blocks checkpointed, from an
-        estimate of its own: under ``FlopCounterMode`` (a dispatch mode with module hooks) a step
-        with checkpointed blocks can keep other tensors than without it, so no fit is read from it."""
+        """One step's FLOPs with ``count`` blocks checkpointed, from a one-step estimate of its own:
+        under ``FlopCounterMode`` (a dispatch mode with module hooks) a step with checkpointed
+        blocks can keep other tensors than without it, so no fit is read from it."""
         counted: list[int] = []
         with _checkpointed([module for _, module in blocks[:count]]):
-            estimate(_counting(step, counted), *args, steps=steps, gpu=gpu, device=device, **kwargs)
+            estimate(_counting(step, counted), *args, gpu=gpu, device=device, **kwargs)
         return sum(counted)
 
     def capped(count: int, free: Estimate) -> Estimate | None:
@@ -251,14 +254,16 @@ def plan(
     elif fits(most):
         low, high = 0, most  # low does not fit, high does
         while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (low, middle) if fits(middle) else (middle, high)
+            guess = _interpolated(
+                low, high, unbounded[low].peak_reserved, unbounded[high].peak_reserved, limit
+            )
+            low, high = (low, guess) if fits(guess) else (guess, high)
         chosen = high
     elif most < len(blocks) and fits(len(blocks)):
         chosen = len(blocks)
     else:
         chosen = None
-    baseline_flops = flops(0)
+    baseline_flops = flops(0) if chosen != 0 else 0
     least = min(unbounded, key=lambda count: (unbounded[count].peak_reserved, count))
     return Plan(
         fits=chosen is not None,
@@ -272,6 +277,17 @@ def plan(
         tried=tried,
         layers=is_layer(blocks[0][1]),
     )
+
+
+def _interpolated(low: int, high: int, low_peak: int, high_peak: int, limit: int) -> int:
+    """The next count to try between ``low`` (does not fit) and ``high`` (fits): where the peaks,
+    taken as falling in a straight line from ``low_peak`` to ``high_peak``, reach ``limit`` (each
+    checkpointed block of a stack of equal ones frees about as much); strictly between the two."""
+    if low_peak > high_peak:
+        guess = low + -(-(low_peak - limit) * (high - low) // (low_peak - high_peak))  # rounded up
+    else:
+        guess = (low + high) // 2
+    return min(max(guess, low + 1), high - 1)
 
 
 @contextmanager
