@@ -21,6 +21,7 @@ import transformers
 
 import memlab
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, uncheckpoint
+from tests.plan.test_hugging_face import train_step  # the Llama step the tests plan
 
 VOCAB = 1024
 
@@ -41,14 +42,6 @@ def make(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tenso
     )
     model = transformers.LlamaForCausalLM(config)
     return model, torch.optim.AdamW(model.parameters()), torch.randint(0, VOCAB, (8, 512))
-
-
-def train_step(model, optimizer, tokens):
-    loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 def exhaustive(model, optimizer, tokens, budget: int) -> int | None:

@@ -9,11 +9,11 @@ import torch
 import transformers
 
 import memlab
-from memlab.history import categories
 from memlab.plan.checkpointing import is_checkpointed
+from tests.plan.test_planner import STEPS
+from tests.plan.test_planner import tracked_steps as tracked
 
 VOCAB = 512
-STEPS = 2
 
 
 def make_model() -> torch.nn.Module:
@@ -39,13 +39,7 @@ def train_step(model, optimizer, tokens):
 
 
 def tracked_steps(model, optimizer, tokens, capacity=None) -> dict[str, int]:
-    with memlab.TensorTracker(capacity=capacity) as tracker:
-        tracker.adopt(roots=[model])
-        tracker.adopt(roots=[optimizer])
-        tracker.adopt(roots=[tokens], category=categories.INPUT)
-        for _ in range(STEPS):
-            train_step(model, optimizer, tokens)
-    return {"reserved": tracker.max_memory_reserved(), "allocated": tracker.max_memory_allocated()}
+    return tracked(model, optimizer, tokens, capacity, step=train_step)
 
 
 @pytest.fixture(scope="module")

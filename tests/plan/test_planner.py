@@ -48,15 +48,15 @@ def fitting(job) -> Plan:
     return memlab.plan(train_step, *job, budget=BUDGET, steps=STEPS)
 
 
-def tracked_steps(model, optimizer, x, capacity=None) -> dict[str, int]:
-    """Real steps under a tracker that adopted the model, optimizer and batch first (the order an
-    estimate adopts them in), capped at ``capacity``."""
+def tracked_steps(model, optimizer, batch, capacity=None, step=train_step) -> dict[str, int]:
+    """``STEPS`` real steps under a tracker that adopted the model, optimizer and batch first (the
+    order an estimate adopts them in), capped at ``capacity``: peak reserved and allocated bytes."""
     with memlab.TensorTracker(capacity=capacity) as tracker:
         tracker.adopt(roots=[model])
         tracker.adopt(roots=[optimizer])
-        tracker.adopt(roots=[x], category=categories.INPUT)
+        tracker.adopt(roots=[batch], category=categories.INPUT)
         for _ in range(STEPS):
-            train_step(model, optimizer, x)
+            step(model, optimizer, batch)
     return {"reserved": tracker.max_memory_reserved(), "allocated": tracker.max_memory_allocated()}
 
 
