@@ -59,7 +59,8 @@ def test_a_llama_plan_fits_when_applied_in_a_real_run(job, found):
     before = [dict(vars(module)) for module in model.modules()]
     assert (found.fits, found.layers) == (True, True)
     assert found.checkpointed == ["model.layers.0", "model.layers.1"]
-    assert found.baseline.peak_reserved == tracked_steps(model, optimizer, tokens)["reserved"] == 354 * 2**20
+    # 354 MiB on torch 2.13, 414 MiB on 2.8: compared with the real run
+    assert found.baseline.peak_reserved == tracked_steps(model, optimizer, tokens)["reserved"]
     with found.apply(model):
         assert [is_checkpointed(layer) for layer in model.model.layers] == [True, True, False, False]
         real = tracked_steps(model, optimizer, tokens, capacity="284 MiB")
