@@ -189,24 +189,29 @@ def plan(
     device: torch.device | str | None = None,
     **kwargs: Any,
 ) -> Plan:
-    """The fewest blocks of the model among ``args`` to checkpoint for ``step(*args, **kwargs)``
-    (``steps`` calls in a row: the steady state of a training loop) to complete within ``budget``
-    (bytes or a size such as ``"16 GiB"``; default: the modelled GPU's memory less the CUDA
-    context's allowance), on ``gpu`` (default: the GPU in use, else an H100). Nothing of the
-    user's changes: the search checkpoints the model's blocks only while each estimate copies them.
+    """The fewest blocks to checkpoint, of the model among the arguments (the first
+    ``torch.nn.Module``, positional or keyword), for ``step(*args, **kwargs)`` (``steps`` calls in a
+    row: the steady state of a training loop) to complete within ``budget`` (bytes or a size such
+    as ``"16 GiB"``; default: the modelled GPU's memory less the CUDA context's allowance), on
+    ``gpu`` (default: the GPU in use, else an H100). Nothing of the user's changes: the search
+    checkpoints the model's blocks only while each estimate copies them.
 
     Returns a :class:`Plan`: whether it fits, which modules to checkpoint, its estimate (exact when
-    applied), the recomputed FLOPs. ``TypeError`` when no ``torch.nn.Module`` is among ``args``;
-    ``ValueError`` for a bad budget or a model with no blocks to checkpoint.
+    applied: peak bytes as the CUDA caching allocator counts them), the recomputed FLOPs per step.
+    ``TypeError`` when no ``torch.nn.Module`` is among the arguments; ``ValueError`` for a bad
+    budget or a model with no blocks to checkpoint.
 
     What it cannot see: what an estimate cannot see (:func:`memlab.estimate`); the other knobs
     (micro-batches, autocast, sharding, optimizer offload) are not searched yet; the recompute
-    cost is in FLOPs, not time.
+    cost is in FLOPs, not time. Each configuration tried costs an estimate of ``steps`` steps.
     """
     steps = check_count(steps, "steps", 1)
-    model = next((arg for arg in args if isinstance(arg, torch.nn.Module)), None)
+    model = next((arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.nn.Module)), None)
     if model is None:
-        raise TypeError("plan needs the model among the step's arguments (a torch.nn.Module); none was given")
+        raise TypeError(
+            "plan needs the model among the step's arguments (a torch.nn.Module, positional or keyword); "
+            "none was given"
+        )
     blocks = candidate_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no submodule with parameters to checkpoint")

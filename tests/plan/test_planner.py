@@ -211,6 +211,12 @@ def test_a_plan_for_another_model_is_refused_and_changes_nothing(fitting):
     assert not any("forward" in vars(module) for module in other.modules())
 
 
+def test_the_model_may_be_a_keyword_argument(job):
+    model, optimizer, x = job
+    found = memlab.plan(train_step, optimizer=optimizer, x=x, model=model, budget=BUDGET, steps=STEPS)
+    assert found.checkpointed == ["layers.0", "layers.1", "layers.2", "layers.3"]
+
+
 def test_blocks_are_the_repeated_layers_else_the_children_with_parameters():
     assert [name for name, _ in candidate_blocks(make_model())] == [f"layers.{i}" for i in range(6)]
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
