@@ -234,19 +234,19 @@ def test_checkpointing_twice_and_undoing_keeps_a_forward_of_the_users():
 
 
 @pytest.mark.parametrize(
-    ("args", "budget", "error", "message"),
-    [
-        ((torch.zeros(1),), "1 GiB", TypeError, "plan needs the model among the step's arguments"),
+    ("make", "budget", "error", "message"),
+    [  # made in the test: tensors made at collection would live through the whole session
+        (lambda: torch.zeros(1), "1 GiB", TypeError, "plan needs the model among the step's arguments"),
         (
-            (torch.nn.Linear(2, 2),),
+            lambda: torch.nn.Linear(2, 2),
             "1 GiB",
             ValueError,
             "Linear has no submodule with parameters to checkpoint",
         ),
-        ((make_model(),), "0 GiB", ValueError, "budget must be a size above 0 bytes"),
-        ((make_model(),), "lots", ValueError, "budget"),
+        (make_model, "0 GiB", ValueError, "budget must be a size above 0 bytes"),
+        (make_model, "lots", ValueError, "budget"),
     ],
 )
-def test_bad_input_is_a_clear_error(args, budget, error, message):
+def test_bad_input_is_a_clear_error(make, budget, error, message):
     with pytest.raises(error, match=message):
-        memlab.plan(lambda *a: None, *args, budget=budget)
+        memlab.plan(lambda *a: None, make(), budget=budget)
