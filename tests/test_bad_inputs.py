@@ -36,6 +36,10 @@ def loss_fn(x: torch.Tensor) -> torch.Tensor:
     return x.sum()
 
 
+def train(model: torch.nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+
+
 def generator() -> Any:
     yield 1
 
@@ -56,6 +60,8 @@ class Made:
         self.snapshot = self.reporter.snapshot()
         self.diff = self.reporter.diff(self.snapshot)
         self.estimate = memlab.estimate(work, 16)
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        self.plan = memlab.plan(train, self.model, torch.ones(2, 4), budget="1 GiB")
         (tmp / "table.csv").write_text("a,b\n1,2\n", encoding="utf-8")
         (tmp / "data.pickle").write_bytes(pickle.dumps({"not": "a snapshot"}))
         (tmp / "folder").mkdir()
@@ -380,6 +386,23 @@ API: dict[str, Case] = {
         "headroom must be",
     ),
     "estimate.line_profile(5)": (lambda m: m.estimate.line_profile(5), TypeError, "add_function() needs"),
+    "plan(5, model)": (lambda m: memlab.plan(5, m.model), TypeError, "step must be callable"),
+    "plan(f, tensor)": (
+        lambda m: memlab.plan(train, torch.ones(2)),
+        TypeError,
+        "plan needs the model among the step's arguments",
+    ),
+    "plan(budget='lots')": (
+        lambda m: memlab.plan(train, m.model, budget="lots"),
+        ValueError,
+        "budget 'lots' is not a size",
+    ),
+    "plan(steps=0)": (lambda m: memlab.plan(train, m.model, steps=0), ValueError, "steps must be"),
+    "plan.apply(5)": (
+        lambda m: m.plan.apply(5),
+        TypeError,
+        "apply takes the model (a torch.nn.Module), got int",
+    ),
     "max_batch_size(5, f)": (lambda m: memlab.max_batch_size(5, work), TypeError, "step must be callable"),
     "max_batch_size(f, 5)": (
         lambda m: memlab.max_batch_size(work, 5),
@@ -536,7 +559,7 @@ def test_gather_names_a_wrong_argument(
 def test_the_table_covers_every_public_name() -> None:
     # Constants and classes memlab hands out (Estimate's methods are called on memlab.estimate's
     # result), and clear_global_line_profiler(), which takes no argument: nothing to pass wrong.
-    nothing_to_pass = {"DEFAULT_COLUMNS", "STAT_KEYS", "__version__", "Estimate", "EstimateError"}
+    nothing_to_pass = {"DEFAULT_COLUMNS", "STAT_KEYS", "__version__", "Estimate", "EstimateError", "Plan"}
     called = {name.split("(")[0] for name in API} | {"clear_global_line_profiler"}
     assert [name for name in memlab.__all__ if name not in nothing_to_pass | called] == []
     assert {"lp.plot", "tracker.adopt", "reporter.diff", "estimate.fits", "distributed.gather"} <= called

@@ -97,6 +97,10 @@ class Plan:
         for, or one built the same way). ``ValueError`` for a plan that does not fit, or a name the
         model does not have (nothing is changed then). Returns the plan (``with plan.apply(model):``
         removes it at the end)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"apply takes the model (a torch.nn.Module), got {type(model).__name__} {model!r:.80}"
+            )
         if not self.fits:
             raise ValueError(
                 f"this plan does not fit the budget of {format_size(self.budget)}: {self._verdict()}"
@@ -205,6 +209,10 @@ def plan(
     (micro-batches, autocast, sharding, optimizer offload) are not searched yet; the recompute
     cost is in FLOPs, not time. Each configuration tried costs an estimate of ``steps`` steps.
     """
+    if not callable(step):
+        raise TypeError(
+            f"step must be callable (the training step to plan), got {type(step).__name__} {step!r:.80}"
+        )
     steps = check_count(steps, "steps", 1)
     model = next((arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.nn.Module)), None)
     if model is None:
