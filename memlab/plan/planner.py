@@ -39,7 +39,7 @@ from memlab._units import check_count, format_size
 from memlab.estimate.capped import completes_under
 from memlab.estimate.estimate import Estimate, estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
-from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer, uncheckpoint
+from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, is_layer, uncheckpoint
 
 __all__ = ["Plan", "plan"]
 
@@ -114,12 +114,14 @@ class Plan:
             )
         chosen = [modules[name] for name in self.checkpointed]
         with interrupts_held():
-            checkpoint(chosen)
-            self._applied.extend(chosen)
+            newly = [module for module in chosen if not is_checkpointed(module)]  # remove() undoes only these
+            checkpoint(newly)
+            self._applied.extend(newly)
         return self
 
     def remove(self) -> None:
-        """Undo :meth:`apply` (every model it was applied to); nothing if it was not applied."""
+        """Undo :meth:`apply` (every model it was applied to): the blocks it checkpointed, not those
+        that were checkpointed already (by another plan); nothing if it was not applied."""
         with interrupts_held():
             uncheckpoint(self._applied)
             self._applied.clear()

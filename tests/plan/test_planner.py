@@ -204,6 +204,17 @@ def test_a_plan_applies_to_a_model_built_the_same_way_with_the_same_results(fitt
     assert not any("forward" in vars(module) for module in checkpointed.modules())
 
 
+def test_removing_a_plan_leaves_the_blocks_another_plan_checkpointed(job, fitting):
+    model = job[0]
+    fewer = memlab.plan(train_step, *job, budget=AS_IT_IS * 3 // 4, steps=STEPS)
+    assert fewer.checkpointed and set(fewer.checkpointed) < set(fitting.checkpointed)
+    with fitting.apply(model):  # layers 0-3
+        fewer.apply(model)
+        fewer.remove()
+        assert [is_checkpointed(layer) for layer in model.layers] == [True] * 4 + [False] * 2
+    assert not any(is_checkpointed(layer) for layer in model.layers)
+
+
 def test_a_plan_for_another_model_is_refused_and_changes_nothing(fitting):
     other = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"^the model has no module 'layers.0': apply the plan to the model"):
