@@ -198,9 +198,10 @@ def plan(
     """The fewest blocks to checkpoint, of the model among the arguments (the first
     ``torch.nn.Module``, positional or keyword), for ``step(*args, **kwargs)`` (``steps`` calls in a
     row: the steady state of a training loop) to complete within ``budget`` (bytes or a size such
-    as ``"16 GiB"``; default: the modelled GPU's memory less the CUDA context's allowance), on
-    ``gpu`` (default: the GPU in use, else an H100). Nothing of the user's changes: the search
-    checkpoints the model's blocks only while each estimate copies them.
+    as ``"16 GiB"``; default: :func:`memlab.estimate.fit.default_budget` for ``cuda``: on a GPU
+    machine what this process's allocator can still get, else the modelled GPU's memory less the
+    CUDA context's allowance), on ``gpu`` (default: the GPU in use, else an H100). Nothing of the
+    user's changes: the search checkpoints the model's blocks only while each estimate copies them.
 
     Returns a :class:`Plan`: whether it fits, which modules to checkpoint, its estimate (exact when
     applied: peak bytes as the CUDA caching allocator counts them), the recomputed FLOPs per step.
