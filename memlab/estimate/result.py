@@ -176,7 +176,14 @@ class Estimate:
         capacity = parse_size(budget, name="budget") - parse_size(headroom, name="headroom")
         if capacity < 0:
             return False
-        return completes_under(lambda cap: self._rerun(None, cap), capacity, known=self) is not None
+        return self.under(capacity) is not None
+
+    def under(self, capacity: int) -> Estimate | None:
+        """The estimate of the same call under a CUDA caching allocator capped at ``capacity`` bytes
+        (retry path included), or ``None`` where the call does not complete there: this estimate
+        itself where it never reached the cap, else a new run of the call (the question
+        :meth:`fits` asks, :func:`memlab.estimate.capped.completes_under`)."""
+        return completes_under(lambda cap: self._rerun(None, cap), capacity, known=self)
 
     def line_profile(self, *functions: Callable[..., Any], columns: Sequence[str] | None = None) -> Any:
         """A :class:`memlab.LineProfiler` of ``functions`` (default: the estimated function) over

@@ -36,7 +36,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from memlab._gpus import GpuLike
 from memlab._offload import interrupts_held
 from memlab._units import check_count, format_size
-from memlab.estimate.capped import completes_under
 from memlab.estimate.estimate import Estimate, estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, is_layer, uncheckpoint
@@ -228,8 +227,10 @@ def plan(
         raise ValueError(f"{type(model).__name__} has no submodule with parameters to checkpoint")
     limit, _ = budget_in_bytes(budget, 0, torch.device("cuda"), modelled_gpu(gpu))
 
+    modules = [module for _, module in blocks]
+
     def run(count: int) -> Estimate:
-        with _checkpointed([module for _, module in blocks[:count]]):
+        with _checkpointed(modules[:count]):
             return estimate(step, *args, steps=steps, gpu=gpu, device=device, **kwargs)
 
     def flops(count: int) -> int:
@@ -237,27 +238,17 @@ def plan(
         under ``FlopCounterMode`` (a dispatch mode with module hooks) a step with checkpointed
         blocks can keep other tensors than without it, so no fit is read from it."""
         counted: list[int] = []
-        with _checkpointed([module for _, module in blocks[:count]]):
+        with _checkpointed(modules[:count]):
             estimate(_counting(step, counted), *args, gpu=gpu, device=device, **kwargs)
         return sum(counted)
 
-    def capped(count: int, free: Estimate) -> Estimate | None:
-        """The estimate under the budget, or None where the step does not complete there."""
-
-        def rerun(capacity: int | None) -> Estimate:
-            with _checkpointed([module for _, module in blocks[:count]]):
-                return free._rerun(None, capacity)
-
-        return completes_under(rerun, limit, known=free)
-
-    tried: list[tuple[int, bool, int]] = []
-    unbounded: dict[int, Estimate] = {}
-    fitted: dict[int, Estimate] = {}
+    unbounded: dict[int, Estimate] = {}  # by blocks checkpointed, in the order tried
+    fitted: dict[int, Estimate] = {}  # those that complete within the budget, capped at it
 
     def fits(count: int) -> bool:
         unbounded[count] = run(count)
-        within = capped(count, unbounded[count])
-        tried.append((count, within is not None, unbounded[count].peak_reserved))
+        with _checkpointed(modules[:count]):  # a capped run estimates the step again
+            within = unbounded[count].under(limit)
         if within is not None:
             fitted[count] = within
         return within is not None
@@ -290,7 +281,7 @@ def plan(
         baseline=unbounded[0],
         recomputed_flops=flops(chosen) - baseline_flops if chosen else 0,
         baseline_flops=baseline_flops,
-        tried=tried,
+        tried=[(count, count in fitted, found.peak_reserved) for count, found in unbounded.items()],
         layers=is_layer(blocks[0][1]),
     )
 
