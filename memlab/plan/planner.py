@@ -7,21 +7,26 @@ CUDA caching allocator capped at the budget, retry path included
 when run: its estimate is the plan's, byte for byte.
 
 The knob searched is activation checkpointing of whole blocks (:func:`~memlab.plan.checkpointing.
-candidate_blocks`: a transformer's layers), the first ``k`` of them, for the least ``k`` that fits,
-searched between 0 and all blocks but the last, each try where the peaks of the two known ends,
-taken as a straight line, reach the budget (blocks of a stack free about as much each). It
-assumes that checkpointing one more of those never needs more memory (its activations are freed
-in the forward and recomputed late in the backward, when less is held). The last block is the
+candidate_blocks`: a transformer's layers), the first ``k`` of them, for the least ``k`` that fits
+(:func:`_search`). The step as it is is estimated once; its blocks' saved activations
+(``by_module``) say where to try first; each further try is where the peaks measured, taken as a
+straight line, reach the budget (blocks of a stack free about as much each), and a count whose
+peak of requested bytes that line puts above the budget is taken as not fitting without a try.
+So a plan usually costs two or three estimates, and its ``k`` is the least as those lines tell
+it (equal to a search that tries every count in ``benchmarks/bench_plan.py --exhaustive``). It
+assumes that checkpointing one more block never needs more memory (its activations are freed in
+the forward and recomputed late in the backward, when less is held). The last block is the
 exception: its recompute runs first in the backward, while everything else is still held, and can
 need more than its saved activations (a 6-layer ``TransformerEncoder``: 196 MiB reserved with 5
 checkpointed, 208 MiB with all 6), so "all blocks" is tried only when all but the last do not
-fit. Whatever the assumption, a plan that fits is the estimate of exactly that configuration under
-the budget.
+fit. Whatever the assumptions, a plan that fits is the estimate of exactly that configuration
+under the budget.
 
 Each checkpointed block runs its forward again in the backward pass (up to the last tensor the
 backward needs: PyTorch's non-reentrant checkpoint stops there): the plan's extra compute is the
-recomputed FLOPs, counted by PyTorch's ``FlopCounterMode`` in estimates of their own of the step
-with and without the plan (matmuls, convolutions and attention: the ops PyTorch counts).
+recomputed FLOPs of one step, counted in the estimates the search runs anyway
+(:class:`memlab.plan.flops.FlopCount`: PyTorch's FLOP formulas for matmuls, convolutions and
+attention, the ops its ``FlopCounterMode`` counts).
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from memlab._gpus import GpuLike
 from memlab._offload import interrupts_held
@@ -39,6 +43,7 @@ from memlab._units import check_count, format_size
 from memlab.estimate.estimate import Estimate, estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, is_layer, uncheckpoint
+from memlab.plan.flops import counting
 
 __all__ = ["Plan", "plan"]
 
@@ -228,26 +233,17 @@ def plan(
     limit, _ = budget_in_bytes(budget, 0, torch.device("cuda"), modelled_gpu(gpu))
 
     modules = [module for _, module in blocks]
-
-    def run(count: int) -> Estimate:
-        with _checkpointed(modules[:count]):
-            return estimate(step, *args, steps=steps, gpu=gpu, device=device, **kwargs)
-
-    def flops(count: int) -> int:
-        """One step's FLOPs with ``count`` blocks checkpointed, from a one-step estimate of its own:
-        under ``FlopCounterMode`` (a dispatch mode with module hooks) a step with checkpointed
-        blocks can keep other tensors than without it, so no fit is read from it."""
-        counted: list[int] = []
-        with _checkpointed(modules[:count]):
-            estimate(_counting(step, counted), *args, gpu=gpu, device=device, **kwargs)
-        return sum(counted)
-
     unbounded: dict[int, Estimate] = {}  # by blocks checkpointed, in the order tried
     fitted: dict[int, Estimate] = {}  # those that complete within the budget, capped at it
+    flops: dict[int, int] = {}  # one step's FLOPs (the last step's) by blocks checkpointed
 
     def fits(count: int) -> bool:
-        unbounded[count] = run(count)
-        with _checkpointed(modules[:count]):  # a capped run estimates the step again
+        counted: list[int] = []
+        with _checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
+            unbounded[count] = estimate(
+                counting(step, counted), *args, steps=steps, gpu=gpu, device=device, **kwargs
+            )
+            flops[count] = counted[-1]
             within = unbounded[count].under(limit)
         if within is not None:
             fitted[count] = within
@@ -255,22 +251,9 @@ def plan(
 
     names = [name for name, _ in blocks]
     most = max(len(blocks) - 1, 1)  # the last block is tried alone at the end (see the module docstring)
-    chosen: int | None
-    if fits(0):
-        chosen = 0
-    elif fits(most):
-        low, high = 0, most  # low does not fit, high does
-        while high - low > 1:
-            guess = _interpolated(
-                low, high, unbounded[low].peak_reserved, unbounded[high].peak_reserved, limit
-            )
-            low, high = (low, guess) if fits(guess) else (guess, high)
-        chosen = high
-    elif most < len(blocks) and fits(len(blocks)):
+    chosen = _search(fits, unbounded, _savings(unbounded, names), most, limit) if not fits(0) else 0
+    if chosen is None and most < len(blocks) and fits(len(blocks)):
         chosen = len(blocks)
-    else:
-        chosen = None
-    baseline_flops = flops(0) if chosen != 0 else 0
     least = min(unbounded, key=lambda count: (unbounded[count].peak_reserved, count))
     return Plan(
         fits=chosen is not None,
@@ -279,22 +262,76 @@ def plan(
         checkpointed=names[: least if chosen is None else chosen],
         estimate=fitted[chosen] if chosen is not None else unbounded[least],
         baseline=unbounded[0],
-        recomputed_flops=flops(chosen) - baseline_flops if chosen else 0,
-        baseline_flops=baseline_flops,
+        recomputed_flops=flops[chosen] - flops[0] if chosen else 0,
+        baseline_flops=flops[0] if chosen else 0,
         tried=[(count, count in fitted, found.peak_reserved) for count, found in unbounded.items()],
         layers=is_layer(blocks[0][1]),
     )
 
 
-def _interpolated(low: int, high: int, low_peak: int, high_peak: int, limit: int) -> int:
-    """The next count to try between ``low`` (does not fit) and ``high`` (fits): where the peaks,
-    taken as falling in a straight line from ``low_peak`` to ``high_peak``, reach ``limit`` (each
-    checkpointed block of a stack of equal ones frees about as much); strictly between the two."""
-    if low_peak > high_peak:
-        guess = low + -(-(low_peak - limit) * (high - low) // (low_peak - high_peak))  # rounded up
-    else:
-        guess = (low + high) // 2
-    return min(max(guess, low + 1), high - 1)
+def _savings(unbounded: dict[int, Estimate], names: list[str]) -> list[int]:
+    """Per block, the bytes its ops saved for backward in the step as it is (``by_module``'s
+    ``activation``, summed over the block and what it contains): about what checkpointing it frees
+    at the peak. Zeros where the estimate's module paths are not the blocks' (another model first)."""
+    table = unbounded[0].by_module()["activation"]
+    saved = dict.fromkeys(names, 0)
+    for path, value in table.items():
+        block = next((name for name in names if path == name or path.startswith(name + ".")), None)
+        if block is not None:
+            saved[block] += int(value)
+    return [saved[name] for name in names]
+
+
+def _search(
+    fits: Callable[[int], bool], unbounded: dict[int, Estimate], savings: list[int], most: int, limit: int
+) -> int | None:
+    """The least count of first blocks in ``1..most`` checkpointed whose step fits, as the peaks
+    tell it. First try: where the step as it is, less the blocks' saved activations, is within
+    ``limit``. Until one fits: where the peak reserved bytes, as a straight line through 0 and the
+    most that does not fit, reach ``limit``. Then, between the most that does not fit and the least
+    that does: where their peaks of requested bytes (what the tensors ask for at once: the same
+    under any allocator, and more than the budget means out of memory), as a line, reach ``limit``;
+    a count that line puts above ``limit`` is taken as not fitting without a try (the retry path of
+    a capped allocator can fit a step whose unbounded reserved peak is above the budget, never one
+    whose requested peak is). ``None`` when ``most`` does not fit."""
+    peak = unbounded[0].peak_reserved
+    guess, freed = most, 0
+    for count, saved in enumerate(savings[:most], 1):
+        freed += saved
+        if peak - freed <= limit:
+            guess = count
+            break
+    low, high = 0, None  # the most that does not fit, the least that does
+    while True:
+        if fits(guess):
+            high = guess
+        else:
+            low = guess
+        if high is None:
+            if low >= most:
+                return None
+            guess = _crossing(0, low, peak, unbounded[low].peak_reserved, limit, most)
+        else:
+            if high - low == 1:
+                return high
+            guess = _crossing(low, high, _requested(unbounded[low]), _requested(unbounded[high]), limit, most)
+            if guess >= high:
+                return high
+        guess = max(guess, low + 1)
+
+
+def _requested(found: Estimate) -> int:
+    return found.stats["requested_bytes.all.peak"]
+
+
+def _crossing(low: int, high: int, low_peak: int, high_peak: int, limit: int, most: int) -> int:
+    """The least count, up to ``most``, where the peaks, taken as a straight line through
+    ``(low, low_peak)`` and ``(high, high_peak)``, are within ``limit`` (``most`` where the line
+    does not fall)."""
+    if low_peak <= high_peak:
+        return most
+    count = low + -(-(low_peak - limit) * (high - low) // (low_peak - high_peak))  # rounded up
+    return min(count, most)
 
 
 @contextmanager
@@ -308,15 +345,3 @@ def _checkpointed(modules: list[torch.nn.Module]) -> Iterator[None]:
     finally:
         with interrupts_held():
             uncheckpoint(modules)
-
-
-def _counting(step: Callable[..., Any], flops: list[int]) -> Callable[..., Any]:
-    """``step`` under PyTorch's ``FlopCounterMode``; each call appends its FLOPs to ``flops``."""
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        with FlopCounterMode(display=False) as counter:
-            result = step(*args, **kwargs)
-        flops.append(counter.get_total_flops())
-        return result
-
-    return counted
