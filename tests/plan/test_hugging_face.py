@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch.utils.flop_counter import FlopCounterMode
 
 import memlab
 from memlab.plan.checkpointing import is_checkpointed
@@ -81,3 +82,20 @@ def test_the_pasted_code_uses_the_layers_own_switch(job, found):
         for name in found.checkpointed:
             layer = model.get_submodule(name)
             del layer.gradient_checkpointing, layer._gradient_checkpointing_func
+
+
+def test_a_llama_plans_flops_are_those_pytorchs_counter_counts_in_a_real_run(job, found):
+    """Attention included: the estimate runs CUDA's attention kernels on fake tensors, the real run
+    CPU's, and PyTorch's formulas count both the same."""
+    model, optimizer, tokens = job
+
+    def real_flops() -> int:
+        with FlopCounterMode(display=False) as counter:
+            train_step(model, optimizer, tokens)
+        return counter.get_total_flops()
+
+    before = real_flops()
+    with found.apply(model):
+        after = real_flops()
+    assert (found.baseline_flops, found.recomputed_flops) == (before, after - before)
+    assert found.recomputed_flops > 0
