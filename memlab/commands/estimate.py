@@ -40,7 +40,7 @@ _SHOWN = {
 class EstimateCommand:
     """``memlab estimate CONFIG_OR_MODEL [--batch-size N] [--seq-len N] [--gpu GPU] [--dtype D]
     [--autocast bf16|fp16] [--optimizer O] [--gradient-checkpointing] [--world-size N (--fsdp |
-    --ddp)] [--steps N] [--max-batch-size] [--json]``."""
+    --ddp)] [--steps N] [--max-batch-size] [--plan] [--json]``."""
 
     help = "estimate a training step of a model from its config (no download, no GPU): will it fit?"
 
@@ -137,6 +137,11 @@ class EstimateCommand:
             help="also search the largest batch size whose steps fit on the GPU",
         )
         parser.add_argument(
+            "--plan",
+            action="store_true",
+            help="also plan the fewest blocks to checkpoint for the steps to fit the budget (memlab.plan)",
+        )
+        parser.add_argument(
             "--json", action="store_true", help="print one JSON object (bytes) instead of text"
         )
 
@@ -153,13 +158,24 @@ class EstimateCommand:
             budget = _budget(args.budget, gpu)
         except ValueError as error:
             raise CommandError(str(error)) from None
-        if args.max_batch_size and budget is None:
+        for flag, asked in (("--max-batch-size", args.max_batch_size), ("--plan", args.plan)):
+            if asked and budget is None:
+                raise CommandError(
+                    f"{flag} needs a budget: --gpu {args.gpu} gives only a compute capability; "
+                    f"name a GPU ({', '.join(GPUS)}) or pass --budget"
+                )
+        if args.plan and args.gradient_checkpointing:
             raise CommandError(
-                f"--max-batch-size needs a budget: --gpu {args.gpu} gives only a compute capability; "
-                f"name a GPU ({', '.join(GPUS)}) or pass --budget"
+                "--plan chooses the blocks to checkpoint: leave out --gradient-checkpointing "
+                "(it checkpoints them all)"
             )
         from memlab.integrations.models import model_recipe
-        from memlab.integrations.training import TrainingSetup, estimate_training, largest_batch
+        from memlab.integrations.training import (
+            TrainingSetup,
+            estimate_training,
+            largest_batch,
+            plan_training,
+        )
 
         try:
             recipe = model_recipe(args.model)
@@ -190,9 +206,17 @@ class EstimateCommand:
                 estimate, counted = estimate_training(recipe, setup)
                 shown.done(f"peak reserved {format_size(estimate.peak_reserved)}")
             fit = largest_batch(recipe, setup, budget) if args.max_batch_size else None
+            found = None
+            if args.plan:
+                with Progress("estimate --plan") as shown:
+                    shown.update(f"planning the blocks of {recipe.name} to checkpoint")
+                    found = plan_training(recipe, setup, budget)
+                    shown.done(f"{len(found.checkpointed)} of {len(found.blocks)} blocks")
         except ValueError as error:  # a model that cannot train as asked (no checkpointing switch)
             raise CommandError(str(error)) from None
         answer = _answer(args, recipe, setup, estimate, counted, budget, fit)
+        if found is not None:
+            answer["plan"] = _plan(found)
         sys.stdout.write(json.dumps(answer) + "\n" if args.json else _text(answer))
         sys.stdout.flush()
         return 0
@@ -256,6 +280,23 @@ def _answer(
     return answer
 
 
+def _plan(found: Any) -> dict[str, Any]:
+    """A :class:`memlab.plan.Plan` as the JSON object's ``plan`` (bytes, FLOPs of one step)."""
+    return {
+        "fits": found.fits,
+        "blocks": len(found.blocks),
+        "checkpointed": found.checkpointed,
+        "peak_reserved": found.estimate.peak_reserved,
+        "recomputed_flops": found.recomputed_flops,
+        "extra_compute": found.extra_compute,
+        "tried": [
+            {"checkpointed": count, "fits": fits, "peak_reserved": peak} for count, fits, peak in found.tried
+        ],
+        "text": repr(found),
+        "code": found.code,
+    }
+
+
 def _workspaces(found: Any) -> dict[str, Any] | None:
     """The modelled cuBLAS workspaces of the answer (count, bytes, GPU and the sentence the text's
     first line ends with), or ``None`` where none was modelled."""
@@ -315,5 +356,7 @@ def _text(answer: dict[str, Any]) -> str:
             f"largest batch that fits: {answer['max_batch_size']}{after} "
             f"({answer['max_batch_size_estimates']} estimates)"
         )
+    if "plan" in answer:
+        lines += answer["plan"]["text"].splitlines() + answer["plan"]["code"].splitlines()
     lines += [f"caveat: {caveat}" for caveat in answer["caveats"]]
     return "\n".join(lines) + "\n"

@@ -27,6 +27,9 @@ from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
+from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer
+from memlab.plan.flops import counting
+from memlab.plan.planner import Plan, search_plan
 
 __all__ = [
     "OPTIMIZERS",
@@ -34,6 +37,7 @@ __all__ = [
     "TrainingSetup",
     "estimate_training",
     "largest_batch",
+    "plan_training",
     "training_step",
 ]
 
@@ -152,14 +156,24 @@ def _blocks(model: torch.nn.Module, layer_classes: tuple[str, ...]) -> list[torc
 
 
 def _arguments(
-    recipe: ModelRecipe, setup: TrainingSetup, batch_size: int, counted: ParameterCount, mesh: Any
+    recipe: ModelRecipe,
+    setup: TrainingSetup,
+    batch_size: int,
+    counted: ParameterCount,
+    mesh: Any,
+    checkpointed: int = 0,
 ) -> Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]:
+    """``make()`` for an estimate: the model built, its first ``checkpointed`` blocks
+    (:func:`memlab.plan.checkpointing.candidate_blocks`) checkpointed, wrapped, with its optimizer
+    and a batch."""
+
     def make() -> tuple[tuple[Any, ...], dict[str, Any]]:
         with torch.device(_device()):
             model = recipe.build(setup.dtype)
             counted.count(model)
             if setup.gradient_checkpointing:
                 recipe.enable_checkpointing(model)
+            checkpoint([module for _, module in candidate_blocks(model)[:checkpointed]])
             model = _wrap(model, recipe, setup, mesh)
             optimizer = OPTIMIZERS[setup.optimizer](model.parameters())
             batch = recipe.batch(batch_size, setup.seq_len, setup.dtype)
@@ -221,14 +235,18 @@ def _estimate(
     capacity: int | None,
     counted: ParameterCount,
     mesh: Any,
+    checkpointed: int = 0,
+    flops: list[int] | None = None,
 ) -> Estimate:
+    """The estimate of ``setup.steps`` steps at ``batch_size``, capped at ``capacity`` bytes, with the
+    first ``checkpointed`` blocks checkpointed; each step's FLOPs appended to ``flops`` (if given)."""
     step = functools.partial(
         training_step, autocast=setup.autocast, own_loss=recipe.library == "transformers"
     )
     functools.update_wrapper(step, training_step)
     return run_estimate(
-        step,
-        _arguments(recipe, setup, batch_size, counted, mesh),
+        step if flops is None else counting(step, flops),
+        _arguments(recipe, setup, batch_size, counted, mesh, checkpointed),
         torch.device("cuda"),
         steps=setup.steps,
         capacity=capacity,
@@ -271,3 +289,27 @@ def largest_batch(
             progress=progress,
             task="estimate --max-batch-size",
         )
+
+
+def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Plan:
+    """:func:`memlab.plan` for ``recipe``'s model built data-free: the fewest of its first blocks
+    (:func:`memlab.plan.checkpointing.candidate_blocks`, named as in the model the recipe builds)
+    to checkpoint for ``setup.steps`` steps to complete within ``budget`` bytes on ``setup.gpu``;
+    each configuration tried builds the model anew. ``ValueError`` with
+    ``setup.gradient_checkpointing`` (it checkpoints every layer already) or for a model without
+    blocks."""
+    if setup.gradient_checkpointing:
+        raise ValueError("planning chooses the blocks to checkpoint: leave gradient checkpointing off")
+    with torch.device("meta"):
+        blocks = candidate_blocks(recipe.build(setup.dtype))
+    if not blocks:
+        raise ValueError(f"{recipe.name} has no submodule with parameters to checkpoint")
+    counted = ParameterCount()
+    with _job(recipe, setup) as mesh:
+
+        def run(count: int) -> tuple[Estimate, int, Estimate | None]:
+            flops: list[int] = []
+            found = _estimate(recipe, setup, setup.batch_size, None, counted, mesh, count, flops)
+            return found, flops[-1], found.under(budget)
+
+        return search_plan(run, [name for name, _ in blocks], budget, layers=is_layer(blocks[0][1]))

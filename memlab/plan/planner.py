@@ -45,7 +45,7 @@ from memlab.estimate.fit import budget_in_bytes, modelled_gpu
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, is_layer, uncheckpoint
 from memlab.plan.flops import counting
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "plan", "search_plan"]
 
 
 class Plan:
@@ -233,27 +233,38 @@ def plan(
     limit, _ = budget_in_bytes(budget, 0, torch.device("cuda"), modelled_gpu(gpu))
 
     modules = [module for _, module in blocks]
+
+    def run(count: int) -> tuple[Estimate, int, Estimate | None]:
+        counted: list[int] = []
+        with _checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
+            found = estimate(counting(step, counted), *args, steps=steps, gpu=gpu, device=device, **kwargs)
+            return found, counted[-1], found.under(limit)
+
+    return search_plan(run, [name for name, _ in blocks], limit, layers=is_layer(blocks[0][1]))
+
+
+def search_plan(
+    run: Callable[[int], tuple[Estimate, int, Estimate | None]], names: list[str], limit: int, layers: bool
+) -> Plan:
+    """The :class:`Plan` of the least count of first blocks (``names``, in order) checkpointed whose
+    step fits ``limit`` bytes, searched as the module docstring says. ``run(count)`` estimates the
+    step with the first ``count`` blocks checkpointed: its unbounded estimate, the FLOPs of its last
+    step, and its estimate under a CUDA caching allocator capped at ``limit`` (``None`` where it runs
+    out of memory there). ``layers``: the blocks are Hugging Face layers (see :attr:`Plan.code`)."""
     unbounded: dict[int, Estimate] = {}  # by blocks checkpointed, in the order tried
     fitted: dict[int, Estimate] = {}  # those that complete within the budget, capped at it
     flops: dict[int, int] = {}  # one step's FLOPs (the last step's) by blocks checkpointed
 
     def fits(count: int) -> bool:
-        counted: list[int] = []
-        with _checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
-            unbounded[count] = estimate(
-                counting(step, counted), *args, steps=steps, gpu=gpu, device=device, **kwargs
-            )
-            flops[count] = counted[-1]
-            within = unbounded[count].under(limit)
+        unbounded[count], flops[count], within = run(count)
         if within is not None:
             fitted[count] = within
         return within is not None
 
-    names = [name for name, _ in blocks]
-    most = max(len(blocks) - 1, 1)  # the last block is tried alone at the end (see the module docstring)
+    most = max(len(names) - 1, 1)  # the last block is tried alone at the end (see the module docstring)
     chosen = _search(fits, unbounded, _savings(unbounded, names), most, limit) if not fits(0) else 0
-    if chosen is None and most < len(blocks) and fits(len(blocks)):
-        chosen = len(blocks)
+    if chosen is None and most < len(names) and fits(len(names)):
+        chosen = len(names)
     least = min(unbounded, key=lambda count: (unbounded[count].peak_reserved, count))
     return Plan(
         fits=chosen is not None,
@@ -265,7 +276,7 @@ def plan(
         recomputed_flops=flops[chosen] - flops[0] if chosen else 0,
         baseline_flops=flops[0] if chosen else 0,
         tried=[(count, count in fitted, found.peak_reserved) for count, found in unbounded.items()],
-        layers=is_layer(blocks[0][1]),
+        layers=layers,
     )
 
 

@@ -369,3 +369,46 @@ def test_unreadable_budget(capsys: pytest.CaptureFixture[str]) -> None:
         "1024, '512 B', '64 KiB', '512MB', '2 GiB' (units: B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB, KB, MB, GB, "
         "TB, PB)"
     )
+
+
+def test_plan_equals_memlab_plan_of_the_model_built_from_the_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [LLAMA, "--batch-size", "64", "--seq-len", "64", "--steps", "2", "--budget", "130 MiB", "--plan"]
+    answer = cli_json(capsys, *argv)
+    model = real_model(LLAMA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    found = memlab.plan(step, model, optimizer, tokens(64, 64), budget="130 MiB", steps=2, gpu="H100")
+    assert answer["plan"] == {
+        "fits": True,
+        "blocks": 2,
+        "checkpointed": ["model.layers.0"],
+        "peak_reserved": found.estimate.peak_reserved,
+        "recomputed_flops": found.recomputed_flops,
+        "extra_compute": found.extra_compute,
+        "tried": [
+            {"checkpointed": count, "fits": fits, "peak_reserved": peak} for count, fits, peak in found.tried
+        ],
+        "text": repr(found),
+        "code": found.code,
+    }
+    assert found.checkpointed == ["model.layers.0"] and found.recomputed_flops > 0
+    assert [row["peak_reserved"] for row in answer["plan"]["tried"]] == [154 * 2**20, 124 * 2**20]
+    assert main(["estimate", *argv]) == 0  # as text: the plan's table and code after the numbers
+    text = capsys.readouterr().out
+    assert f"{found!r}\n{found.code}\ncaveat: " in text
+
+
+def test_plan_with_gradient_checkpointing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_error(capsys, LLAMA, "--plan", "--gradient-checkpointing") == (
+        "memlab estimate: error: --plan chooses the blocks to checkpoint: leave out --gradient-checkpointing "
+        "(it checkpoints them all)"
+    )
+
+
+def test_plan_without_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_error(capsys, GPT2, "--gpu", "sm87", "--plan") == (
+        "memlab estimate: error: --plan needs a budget: --gpu sm87 gives only a compute capability; name a "
+        "GPU (V100, V100-32GB, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, H100, H100-NVL, GH200, "
+        "H200, B200) or pass --budget"
+    )
