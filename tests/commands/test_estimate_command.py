@@ -349,9 +349,10 @@ def test_world_size_without_a_sharding(capsys: pytest.CaptureFixture[str]) -> No
     )
 
 
-def test_max_batch_size_without_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_error(capsys, GPT2, "--gpu", "sm87", "--max-batch-size") == (
-        "memlab estimate: error: --max-batch-size needs a budget: --gpu sm87 gives only a compute "
+@pytest.mark.parametrize("flag", ["--max-batch-size", "--plan"])
+def test_a_search_without_a_budget(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    assert cli_error(capsys, GPT2, "--gpu", "sm87", flag) == (
+        f"memlab estimate: error: {flag} needs a budget: --gpu sm87 gives only a compute "
         "capability; name a GPU (V100, V100-32GB, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, "
         "H100, H100-NVL, GH200, H200, B200) or pass --budget"
     )
@@ -403,12 +404,4 @@ def test_plan_with_gradient_checkpointing(capsys: pytest.CaptureFixture[str]) ->
     assert cli_error(capsys, LLAMA, "--plan", "--gradient-checkpointing") == (
         "memlab estimate: error: --plan chooses the blocks to checkpoint: leave out --gradient-checkpointing "
         "(it checkpoints them all)"
-    )
-
-
-def test_plan_without_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_error(capsys, GPT2, "--gpu", "sm87", "--plan") == (
-        "memlab estimate: error: --plan needs a budget: --gpu sm87 gives only a compute capability; name a "
-        "GPU (V100, V100-32GB, T4, A100, A100-40GB, A10G, RTX3090, L4, L40S, RTX4090, H100, H100-NVL, GH200, "
-        "H200, B200) or pass --budget"
     )
