@@ -245,12 +245,13 @@ def _estimate(
     )
     functools.update_wrapper(step, training_step)
     return run_estimate(
-        step if flops is None else counting(step, flops),
+        step,
         _arguments(recipe, setup, batch_size, counted, mesh, checkpointed),
         torch.device("cuda"),
         steps=setup.steps,
         capacity=capacity,
         gpu=setup.gpu,
+        call_context=None if flops is None else counting(flops),
         stacks=False,  # the command prints no snapshot: peaks and categories need no stacks
     )
 

@@ -11,8 +11,8 @@ result. Ops outside the table count 0, as they do for ``FlopCounterMode``.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,15 +37,17 @@ class FlopCount(TorchDispatchMode):
         return out
 
 
-def counting(step: Callable[..., Any], flops: list[int]) -> Callable[..., Any]:
-    """``step``, each call of which runs under a :class:`FlopCount` and appends its FLOPs to
-    ``flops`` (the forward, the backward with any recompute, the optimizer: all the call runs)."""
+def counting(flops: list[int]) -> Callable[[Any, int], AbstractContextManager[None]]:
+    """A ``call_context`` for :func:`memlab.estimate.estimate.run_estimate`: each call of the step
+    runs under a :class:`FlopCount` and appends its FLOPs to ``flops`` (the forward, the backward
+    with any recompute, the optimizer: all the call runs). The step itself is not wrapped, so the
+    estimate copies what it names as it does for any step."""
 
-    @functools.wraps(step)
-    def counted(*args: Any, **kwargs: Any) -> Any:
+    @contextmanager
+    def counted(copier: Any, index: int) -> Iterator[None]:
         with FlopCount() as counter:
             try:
-                return step(*args, **kwargs)
+                yield
             finally:
                 flops.append(counter.flops)
 

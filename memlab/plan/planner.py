@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from memlab._gpus import GpuLike
+from memlab._gpus import GpuLike, resolve_gpu
 from memlab._offload import interrupts_held
 from memlab._units import check_count, format_size
-from memlab.estimate.estimate import Estimate, estimate
+from memlab.estimate.estimate import Estimate, _target, run_estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, is_layer, uncheckpoint
 from memlab.plan.flops import counting
@@ -234,10 +234,20 @@ def plan(
 
     modules = [module for _, module in blocks]
 
+    modelled = resolve_gpu(gpu)
+    target = _target("cuda" if device is None and gpu is not None else device, (step, args, kwargs))
+
     def run(count: int) -> tuple[Estimate, int, Estimate | None]:
         counted: list[int] = []
         with _checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
-            found = estimate(counting(step, counted), *args, steps=steps, gpu=gpu, device=device, **kwargs)
+            found = run_estimate(
+                step,
+                lambda: (args, kwargs),
+                target,
+                steps=steps,
+                gpu=modelled,
+                call_context=counting(counted),
+            )
             return found, counted[-1], found.under(limit)
 
     return search_plan(run, [name for name, _ in blocks], limit, layers=is_layer(blocks[0][1]))

@@ -220,6 +220,21 @@ def test_a_plan_for_another_model_is_refused_and_changes_nothing(fitting):
     assert not any("forward" in vars(module) for module in other.modules())
 
 
+def test_a_step_that_names_its_optimizer_outside_its_arguments_is_estimated_with_it(job):
+    """The step is estimated as memlab.estimate estimates it: the optimizer it names (a closure
+    variable here) is copied and its state counted, not left out (nothing wraps the step)."""
+    model, optimizer, x = job
+
+    def step(model, x):
+        return train_step(model, optimizer, x)
+
+    found = memlab.plan(step, model, x, budget=AS_IT_IS, steps=STEPS)
+    assert (
+        found.baseline.peak_reserved == memlab.estimate(step, model, x, steps=STEPS).peak_reserved == AS_IT_IS
+    )
+    assert found.fits and found.checkpointed == []
+
+
 def test_the_model_may_be_a_keyword_argument(job):
     model, optimizer, x = job
     found = memlab.plan(train_step, optimizer=optimizer, x=x, model=model, budget=BUDGET, steps=STEPS)
