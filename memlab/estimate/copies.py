@@ -234,8 +234,9 @@ class Copier:
             return (
                 types.MethodType(func, owner) if owner is not fn.__self__ or func is not fn.__func__ else fn
             )
-        if isinstance(fn, functools.partial):
-            return functools.partial(self.function(fn.func), *self(list(fn.args)), **self(dict(fn.keywords)))
+        if isinstance(fn, functools.partial):  # functions among its arguments rebound as fn is
+            args = [self.function(arg) if isinstance(arg, _FUNCTIONS) else self(arg) for arg in fn.args]
+            return functools.partial(self.function(fn.func), *args, **self(dict(fn.keywords)))
         if isinstance(fn, types.FunctionType):
             rebinder = _Rebinder(self, fn.__globals__)
             new = rebinder.function(fn)
@@ -380,6 +381,10 @@ def _global_names(code: types.CodeType) -> set[str]:
     return names
 
 
+#: The callables whose names an estimate rebinds, also as a ``functools.partial``'s arguments.
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+
+
 def named_objects(fn: Callable[..., Any]) -> list[Any]:
     """The objects ``fn`` uses by name, as :meth:`Copier.function` finds them, without copying:
     a module or optimizer passed as ``fn`` itself, the owner of a bound method, a partial's
@@ -392,7 +397,8 @@ def named_objects(fn: Callable[..., Any]) -> list[Any]:
         held = list(vars(owner).values()) if isinstance(getattr(owner, "__dict__", None), dict) else []
         return [owner, *held, *named_objects(fn.__func__)]
     if isinstance(fn, functools.partial):
-        return [*named_objects(fn.func), *fn.args, *fn.keywords.values()]
+        held = [named_objects(arg) if isinstance(arg, _FUNCTIONS) else [arg] for arg in fn.args]
+        return [*named_objects(fn.func), *(obj for objs in held for obj in objs), *fn.keywords.values()]
     found: list[Any] = []
     if not isinstance(fn, types.FunctionType):
         return found

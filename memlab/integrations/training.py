@@ -29,7 +29,8 @@ from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer
 from memlab.plan.flops import counting
-from memlab.plan.planner import Plan, search_plan
+from memlab.plan.planner import search_plan
+from memlab.plan.result import Plan
 
 __all__ = [
     "OPTIMIZERS",

@@ -1,4 +1,5 @@
-"""``memlab.plan``: the least activation checkpointing that makes a training step fit a budget.
+"""``memlab.plan``: the least activation checkpointing, else the fewest micro-batches, that makes a
+training step fit a budget.
 
 The plan is searched with estimates (:func:`memlab.estimate`: data-free, exact for what a tracker
 counts) and its fit decided as every fit check in memlab decides it: does the step complete under a
@@ -22,6 +23,13 @@ checkpointed, 208 MiB with all 6), so "all blocks" is tried only when all but th
 fit. Whatever the assumptions, a plan that fits is the estimate of exactly that configuration
 under the budget.
 
+Where no count of checkpointed blocks fits, the batch is split into micro-batches
+(:func:`memlab.plan.accumulation.accumulating`), none checkpointed: 2, then each larger count that
+divides the batch, while the peak falls, unless the parameters and optimizer state alone are over
+the budget (no micro-batch can go below them). Checkpointing comes first because its cost is
+counted (recomputed FLOPs); a micro-batch's cost is not in FLOPs (smaller kernels, every weight
+read once per micro-batch) and changes the training loop.
+
 Each checkpointed block runs its forward again in the backward pass (up to the last tensor the
 backward needs: PyTorch's non-reentrant checkpoint stops there): the plan's extra compute is the
 recomputed FLOPs of one step, counted in the estimates the search runs anyway
@@ -36,158 +44,20 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from memlab._gpus import GpuLike, resolve_gpu
 from memlab._offload import interrupts_held
 from memlab._units import check_count, format_size
 from memlab.estimate.estimate import Estimate, _target, run_estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
-from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, is_layer, uncheckpoint
+from memlab.history import categories
+from memlab.plan.accumulation import accumulating, batch_size
+from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer, uncheckpoint
 from memlab.plan.flops import counting
+from memlab.plan.result import Plan
 
-__all__ = ["Plan", "plan", "search_plan"]
-
-
-class Plan:
-    """What :func:`plan` found. ``fits``: whether the step completes within :attr:`budget` with
-    :attr:`checkpointed` (module names, in the model ``plan`` was given) checkpointed; ``estimate``:
-    the step's estimate under the plan, capped at the budget when the plan fits (its
-    ``peak_reserved`` is what a ``TensorTracker(capacity=budget)`` run of the applied step reports);
-    for a plan that does not fit, :attr:`checkpointed` and ``estimate`` are those of the configuration
-    tried that needs the least (unbounded); ``baseline``: the step's estimate as it is;
-    ``recomputed_flops``: the FLOPs the checkpointed blocks' forwards run again in one step
-    (FlopCounterMode's ops), ``baseline_flops`` those of one step as it is (0 for a plan that
-    changes nothing); ``tried``: each configuration
-    estimated, as ``(blocks checkpointed, fits, peak reserved bytes of the unbounded run)``;
-    ``layers``: the blocks are Hugging Face layers, checkpointed with their own switch (:attr:`code`
-    says how).
-
-    :meth:`apply` checkpoints those modules of a model (the one ``plan`` was given, or one of the
-    same structure); :meth:`remove` undoes it."""
-
-    def __init__(
-        self,
-        *,
-        fits: bool,
-        budget: int,
-        blocks: list[str],
-        checkpointed: list[str],
-        estimate: Estimate,
-        baseline: Estimate,
-        recomputed_flops: int,
-        baseline_flops: int,
-        tried: list[tuple[int, bool, int]],
-        layers: bool = False,
-    ) -> None:
-        self.fits = fits
-        self.layers = layers
-        self.budget = budget
-        self.blocks = blocks
-        self.checkpointed = checkpointed
-        self.estimate = estimate
-        self.baseline = baseline
-        self.recomputed_flops = recomputed_flops
-        self.baseline_flops = baseline_flops
-        self.tried = tried
-        self._applied: list[torch.nn.Module] = []
-
-    @property
-    def extra_compute(self) -> float:
-        """The recomputed FLOPs as a fraction of the step's own (0.0 when nothing is checkpointed)."""
-        return self.recomputed_flops / self.baseline_flops if self.baseline_flops else 0.0
-
-    def apply(self, model: torch.nn.Module) -> Plan:
-        """Checkpoint :attr:`checkpointed` in ``model`` (looked up by name: the model the plan was made
-        for, or one built the same way). ``ValueError`` for a plan that does not fit, or a name the
-        model does not have (nothing is changed then). Returns the plan (``with plan.apply(model):``
-        removes it at the end)."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"apply takes the model (a torch.nn.Module), got {type(model).__name__} {model!r:.80}"
-            )
-        if not self.fits:
-            raise ValueError(
-                f"this plan does not fit the budget of {format_size(self.budget)}: {self._verdict()}"
-            )
-        modules = dict(model.named_modules())
-        missing = [name for name in self.checkpointed if name not in modules]
-        if missing:
-            raise ValueError(
-                f"the model has no module {missing[0]!r}: apply the plan to the model it was made for "
-                f"(its blocks: {', '.join(self.blocks)})"
-            )
-        chosen = [modules[name] for name in self.checkpointed]
-        with interrupts_held():
-            newly = [module for module in chosen if not is_checkpointed(module)]  # remove() undoes only these
-            checkpoint(newly)
-            self._applied.extend(newly)
-        return self
-
-    def remove(self) -> None:
-        """Undo :meth:`apply` (every model it was applied to): the blocks it checkpointed, not those
-        that were checkpointed already (by another plan); nothing if it was not applied."""
-        with interrupts_held():
-            uncheckpoint(self._applied)
-            self._applied.clear()
-
-    def __enter__(self) -> Plan:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.remove()
-
-    @property
-    def code(self) -> str:
-        """The plan as code to paste after the model is built (``model`` names it)."""
-        if not self.fits:
-            return f"# {self._verdict()}"
-        if not self.checkpointed:
-            return "# no change needed"
-        names = ", ".join(repr(name) for name in self.checkpointed)
-        if self.layers:  # Hugging Face layers: their own switch
-            return (
-                "import functools, torch.utils.checkpoint\n"
-                f"for name in [{names}]:\n"
-                "    layer = model.get_submodule(name)\n"
-                "    layer.gradient_checkpointing = True\n"
-                "    layer._gradient_checkpointing_func = functools.partial(\n"
-                "        torch.utils.checkpoint.checkpoint, use_reentrant=False)"
-            )
-        return (
-            "import functools, torch.utils.checkpoint\n"
-            f"for name in [{names}]:\n"
-            "    block = model.get_submodule(name)\n"
-            "    block.forward = functools.partial(\n"
-            "        torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)"
-        )
-
-    def _verdict(self) -> str:
-        if not self.fits:
-            least = format_size(self.estimate.peak_reserved)
-            return (
-                f"does not fit with these knobs: the least the step needs is {least} reserved, with "
-                f"{len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed"
-            )
-        if not self.checkpointed:
-            return "no change needed"
-        return (
-            f"checkpoint {len(self.checkpointed)} of {len(self.blocks)} blocks ("
-            f"{self.checkpointed[0]} to {self.checkpointed[-1]}): +{self.extra_compute:.1%} compute"
-        )
-
-    def __repr__(self) -> str:
-        lines = [
-            f"Plan for a budget of {format_size(self.budget)}: {self._verdict()}",
-            f"  as it is: {format_size(self.baseline.peak_reserved)} reserved at peak",
-        ]
-        if self.fits:
-            lines.append(
-                f"  planned:  {format_size(self.estimate.peak_reserved)} reserved at peak (within the budget)"
-            )
-        lines.append("  blocks checkpointed  fits  peak reserved (unbounded)")
-        for count, fits, peak in sorted(self.tried):
-            lines.append(f"  {count:>18}  {'yes' if fits else 'no':>4}  {format_size(peak):>13}")
-        return "\n".join(lines)
+__all__ = ["plan", "search_plan"]
 
 
 def plan(
@@ -199,22 +69,27 @@ def plan(
     device: torch.device | str | None = None,
     **kwargs: Any,
 ) -> Plan:
-    """The fewest blocks to checkpoint, of the model among the arguments (the first
-    ``torch.nn.Module``, positional or keyword), for ``step(*args, **kwargs)`` (``steps`` calls in a
-    row: the steady state of a training loop) to complete within ``budget`` (bytes or a size such
-    as ``"16 GiB"``; default: :func:`memlab.estimate.fit.default_budget` for ``cuda``: on a GPU
-    machine what this process's allocator can still get, else the modelled GPU's memory less the
-    CUDA context's allowance), on ``gpu`` (default: the GPU in use, else an H100). Nothing of the
-    user's changes: the search checkpoints the model's blocks only while each estimate copies them.
+    """The cheapest change that makes ``step(*args, **kwargs)`` (``steps`` calls in a row: the steady
+    state of a training loop) complete within ``budget`` (bytes or a size such as ``"16 GiB"``;
+    default: :func:`memlab.estimate.fit.default_budget` for ``cuda``: on a GPU machine what this
+    process's allocator can still get, else the modelled GPU's memory less the CUDA context's
+    allowance), on ``gpu`` (default: the GPU in use, else an H100): none; else the fewest blocks to
+    checkpoint of the model among the arguments (the first ``torch.nn.Module``, positional or
+    keyword); else, where no checkpointing fits, the fewest micro-batches (equal slices of the batch
+    along dimension 0, gradients accumulated, one optimizer step: :meth:`Plan.step`), which needs
+    the optimizer among the arguments. Nothing of the user's changes: the search checkpoints the
+    model's blocks only while each estimate copies them.
 
-    Returns a :class:`Plan`: whether it fits, which modules to checkpoint, its estimate (exact when
-    applied: peak bytes as the CUDA caching allocator counts them), the recomputed FLOPs per step.
-    ``TypeError`` when no ``torch.nn.Module`` is among the arguments; ``ValueError`` for a bad
-    budget or a model with no blocks to checkpoint.
+    Returns a :class:`Plan`: whether it fits, which modules to checkpoint or how many
+    micro-batches, its estimate (exact when applied: peak bytes as the CUDA caching allocator counts
+    them), the recomputed FLOPs per step. ``TypeError`` when no ``torch.nn.Module`` is among the
+    arguments; ``ValueError`` for a bad budget or a model with no blocks to checkpoint.
 
     What it cannot see: what an estimate cannot see (:func:`memlab.estimate`); the other knobs
-    (micro-batches, autocast, sharding, optimizer offload) are not searched yet; the recompute
-    cost is in FLOPs, not time. Each configuration tried costs an estimate of ``steps`` steps.
+    (autocast, sharding, optimizer offload) are not searched yet; checkpointing and micro-batches
+    are not combined; the cost is in FLOPs, not time (micro-batches add none, but run smaller
+    kernels and read every weight once per micro-batch). Each configuration tried costs an estimate
+    of ``steps`` steps (of every micro-batch, for micro-batches).
     """
     if not callable(step):
         raise TypeError(
@@ -237,11 +112,11 @@ def plan(
     modelled = resolve_gpu(gpu)
     target = _target("cuda" if device is None and gpu is not None else device, (step, args, kwargs))
 
-    def run(count: int) -> tuple[Estimate, int, Estimate | None]:
+    def run(count: int, micro_batches: int = 1) -> tuple[Estimate, int, Estimate | None]:
         counted: list[int] = []
         with _checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
             found = run_estimate(
-                step,
+                accumulating(step, micro_batches) if micro_batches > 1 else step,
                 lambda: (args, kwargs),
                 target,
                 steps=steps,
@@ -250,7 +125,46 @@ def plan(
             )
             return found, counted[-1], found.under(limit)
 
-    return search_plan(run, [name for name, _ in blocks], limit, layers=is_layer(blocks[0][1]))
+    found = search_plan(run, [name for name, _ in blocks], limit, layers=is_layer(blocks[0][1]))
+    if not found.fits:
+        _split(found, lambda micro_batches: run(0, micro_batches), args, kwargs)
+    return found
+
+
+def _split(
+    found: Plan, run: Callable[[int], tuple[Estimate, int, Estimate | None]], args: Any, kwargs: Any
+) -> None:
+    """Micro-batches for a plan that checkpointing cannot make fit: the least count that divides the
+    batch into equal micro-batches and fits, with no block checkpointed, tried in increasing order
+    while the peak falls (``found`` changed in place; where none fits, it keeps the configuration
+    that needs the least). Not tried where the parameters and optimizer state alone (alive through
+    every step, whatever its micro-batches) are over the budget."""
+    size = batch_size(args, kwargs)
+    held = found.baseline.by_category("end")
+    floor = held[categories.PARAMETER] + held[categories.OPTIMIZER_STATE]
+    if not any(isinstance(leaf, torch.optim.Optimizer) for leaf in pytree.tree_leaves((args, kwargs))):
+        found.why_not_micro_batches = "no optimizer among the step's arguments (it must step once per batch)"
+    elif size is None or size < 2:
+        found.why_not_micro_batches = f"a batch of {size} along dimension 0 cannot be split"
+    elif floor > found.budget:
+        found.why_not_micro_batches = (
+            f"the parameters and optimizer state alone take {format_size(floor)}, over the budget"
+        )
+    if found.why_not_micro_batches:
+        return
+    previous = found.baseline.peak_reserved
+    for micro_batches in (count for count in range(2, size + 1) if size % count == 0):
+        unbounded, _, within = run(micro_batches)
+        found.micro_batch_tries.append((micro_batches, within is not None, unbounded.peak_reserved))
+        if within is not None or unbounded.peak_reserved < found.estimate.peak_reserved:
+            found.micro_batches, found.checkpointed, found.recomputed_flops = micro_batches, [], 0
+            found.estimate = within or unbounded
+        if within is not None:
+            found.fits = True
+            return
+        if unbounded.peak_reserved >= previous:
+            return  # smaller micro-batches no longer lower the peak
+        previous = unbounded.peak_reserved
 
 
 def search_plan(

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import memlab
 from memlab.history import categories
 from memlab.plan import Plan
+from memlab.plan.accumulation import accumulating
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_checkpointed, uncheckpoint
 from tests.estimate.test_steady_state import assert_same, snapshot
 
@@ -135,9 +136,34 @@ def test_a_generous_budget_needs_no_change(job):
     assert repr(found).splitlines()[0] == "Plan for a budget of 412.00M: no change needed"
 
 
+def test_a_budget_checkpointing_cannot_meet_splits_the_batch_and_fits_in_a_real_run(job):
+    """160 MiB: checkpointing needs at least 196 MiB (5 blocks); 8 micro-batches of 4 fit, with no
+    block checkpointed, and the accumulating step runs under the budget with the planned peaks."""
+    model, optimizer, x = job
+    found = memlab.plan(train_step, *job, budget="160 MiB", steps=STEPS)
+    assert (found.fits, found.micro_batches, found.checkpointed, found.recomputed_flops) == (True, 8, [], 0)
+    assert [(count, fits) for count, fits, _ in found.tried] == [(0, False), (5, False), (6, False)]
+    assert [(count, fits) for count, fits, _ in found.micro_batch_tries] == [
+        (2, False),
+        (4, False),
+        (8, True),
+    ]
+    assert repr(found).splitlines()[0] == (
+        "Plan for a budget of 160.00M: split each batch into 8 micro-batches (gradients accumulated, one "
+        "optimizer step): +0.0% compute"
+    )
+    real = tracked_steps(model, optimizer, x, capacity="160 MiB", step=found.step(train_step))
+    assert real == {"reserved": found.estimate.peak_reserved, "allocated": found.estimate.peak_allocated}
+    with pytest.raises(torch.OutOfMemoryError):  # 4 micro-batches do not fit
+        tracked_steps(model, optimizer, x, capacity="160 MiB", step=accumulating(train_step, 4))
+    namespace = {"train_step": train_step}
+    exec(found.code, namespace)  # the pasted code: the same accumulating step
+    assert namespace["train_step"].args == found.step(train_step).args == (train_step, 8, 0)
+
+
 def test_an_impossible_budget_is_said_and_cannot_be_applied(job):
     model = job[0]
-    found = memlab.plan(train_step, *job, budget="160 MiB", steps=STEPS)
+    found = memlab.plan(train_step, *job, budget="10 MiB", steps=STEPS)
     verdict = (
         "does not fit with these knobs: the least the step needs is 196.00M reserved, with 5 of 6 blocks "
         "checkpointed"
@@ -147,9 +173,17 @@ def test_an_impossible_budget_is_said_and_cannot_be_applied(job):
     assert found.estimate.peak_reserved == 196 * 2**20 and found.checkpointed == [
         f"layers.{i}" for i in range(5)
     ]
-    assert repr(found).splitlines()[0] == f"Plan for a budget of 160.00M: {verdict}"
+    # 1,189,632 float32 parameters and AdamW's two states of each, in 512-byte blocks, and its step counters
+    held = found.baseline.by_category("end")
+    assert held["parameter"] + held["optimizer_state"] == 14_312_448
+    assert (
+        found.why_not_micro_batches == "the parameters and optimizer state alone take 13.65M, over the budget"
+    )
+    assert (found.micro_batch_tries, found.micro_batches) == ([], 1)
+    assert repr(found).splitlines()[0] == f"Plan for a budget of 10.00M: {verdict}"
+    assert repr(found).splitlines()[-1] == f"  micro-batches not tried: {found.why_not_micro_batches}"
     assert found.code == f"# {verdict}"
-    with pytest.raises(ValueError, match=r"^this plan does not fit the budget of 160.00M: does not fit with"):
+    with pytest.raises(ValueError, match=r"^this plan does not fit the budget of 10.00M: does not fit with"):
         found.apply(model)
     assert not any(is_checkpointed(module) for module in model.modules())
 
