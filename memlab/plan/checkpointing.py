@@ -48,14 +48,26 @@ class Checkpointed:
 class LayerCheckpoint:
     """The checkpoint function given to a Hugging Face ``GradientCheckpointingLayer`` (its own per-layer
     switch: ``gradient_checkpointing``), which also drops the layer's KV cache arguments while it
-    is checkpointed: a recomputed forward would append to the cache again. ``previous``: the
-    instance's own ``gradient_checkpointing`` and ``_gradient_checkpointing_func`` before."""
+    is checkpointed: a recomputed forward would append to the cache again. The layer drops those
+    it gets by keyword; this drops a cache passed by position too (GPT-2's model passes its
+    ``past_key_values`` so, and leaves it out only when the whole model is checkpointed).
+    ``previous``: the instance's own ``gradient_checkpointing`` and ``_gradient_checkpointing_func``
+    before."""
 
     def __init__(self, previous: tuple[Any, Any]) -> None:
         self.previous = previous
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(None if _is_cache(arg) else arg for arg in args)
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _is_cache(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face KV cache (``transformers.cache_utils.Cache``, found by
+    name: the framework is not imported)."""
+    return any(
+        cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__
+    )
 
 
 def is_layer(module: torch.nn.Module) -> bool:

@@ -133,14 +133,10 @@ class Plan:
         if not self.checkpointed:
             return "# no change needed"
         names = ", ".join(repr(name) for name in self.checkpointed)
-        if self.layers:  # Hugging Face layers: their own switch
+        if self.layers:  # Hugging Face layers: their own switch, their KV cache dropped (memlab's helper)
             return (
-                "import functools, torch.utils.checkpoint\n"
-                f"for name in [{names}]:\n"
-                "    layer = model.get_submodule(name)\n"
-                "    layer.gradient_checkpointing = True\n"
-                "    layer._gradient_checkpointing_func = functools.partial(\n"
-                "        torch.utils.checkpoint.checkpoint, use_reentrant=False)"
+                "from memlab.plan.checkpointing import checkpoint\n"
+                f"checkpoint([model.get_submodule(name) for name in [{names}]])"
             )
         return (
             "import functools, torch.utils.checkpoint\n"

@@ -71,7 +71,10 @@ def test_a_llama_plan_fits_when_applied_in_a_real_run(job, found):
 
 def test_the_pasted_code_uses_the_layers_own_switch(job, found):
     model, optimizer, tokens = job
-    assert "layer.gradient_checkpointing = True" in found.code
+    assert found.code == (
+        "from memlab.plan.checkpointing import checkpoint\n"
+        "checkpoint([model.get_submodule(name) for name in ['model.layers.0', 'model.layers.1']])"
+    )
     exec(found.code, {"model": model})
     try:
         assert (
@@ -99,3 +102,20 @@ def test_a_llama_plans_flops_are_those_pytorchs_counter_counts_in_a_real_run(job
         after = real_flops()
     assert (found.baseline_flops, found.recomputed_flops) == (before, after - before)
     assert found.recomputed_flops > 0
+
+
+def test_a_gpt2_plan_whose_model_passes_its_kv_cache_by_position_fits_when_applied():
+    """GPT-2's model passes ``past_key_values`` to its blocks by position (leaving it out only when
+    the whole model is checkpointed): a checkpointed block drops it too, as it drops a cache passed by
+    keyword, or the recompute appends to the cache again (``CheckpointError``)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=128)
+    model = transformers.GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, VOCAB, (8, 128))
+    as_it_is = memlab.estimate(train_step, model, optimizer, tokens, steps=STEPS).peak_reserved
+    found = memlab.plan(train_step, model, optimizer, tokens, budget=as_it_is * 7 // 8, steps=STEPS)
+    assert found.fits and found.layers and 0 < len(found.checkpointed) < 4
+    with found.apply(model):
+        real = tracked_steps(model, optimizer, tokens, capacity=as_it_is * 7 // 8)
+    assert real == {"reserved": found.estimate.peak_reserved, "allocated": found.estimate.peak_allocated}
