@@ -38,7 +38,6 @@ __all__ = [
     "STEP_REMEDIES",
     "Accumulation",
     "find_batch",
-    "repeated_blocks",
     "step_peak",
     "unsure",
 ]
@@ -270,71 +269,28 @@ def fp16_autocast_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     return _autocast_remedy(capture, start, torch.float16, "autocast_fp16")
 
 
-def repeated_blocks(model: torch.nn.Module) -> tuple[type[torch.nn.Module], int] | None:
-    """The class of the model's repeated blocks and how many there are: among siblings of one
-    class under one parent (two or more, holding parameters), the group with the most parameter
-    elements; ``None`` when no module repeats."""
-    best: tuple[int, type[torch.nn.Module], int] | None = None
-    for parent in model.modules():
-        groups: dict[type[torch.nn.Module], list[torch.nn.Module]] = {}
-        for child in parent.children():
-            groups.setdefault(type(child), []).append(child)
-        for cls, members in groups.items():
-            elements = sum(p.numel() for m in members for p in m.parameters())
-            if len(members) >= 2 and elements and (best is None or elements > best[0]):
-                best = (elements, cls, len(members))
-    return None if best is None else (best[1], best[2])
+def _checkpointing_first(model: torch.nn.Module, names: list[str], flops: list[int]) -> CallContext:
+    """The ``call_context`` that checkpoints the blocks ``names`` of the estimate's copy of ``model``
+    before the first call (:func:`memlab.plan.checkpointing.checkpoint`: a Hugging Face layer with its
+    own switch, which drops its KV cache; any other block by its ``forward``; only the copy changes)
+    and counts each call's FLOPs into ``flops``."""
+    from memlab.plan.checkpointing import checkpoint
+    from memlab.plan.flops import counting
 
-
-@contextlib.contextmanager
-def checkpointed(cls: type[torch.nn.Module]) -> Iterator[None]:
-    """While active, every ``cls`` module runs its forward under non-reentrant
-    ``torch.utils.checkpoint`` (saving only its inputs; recomputing in backward)."""
-    from torch.utils.checkpoint import checkpoint
-
-    own = cls.__dict__.get("forward")
-    original = cls.forward
-
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(original, self, *args, use_reentrant=False, **kwargs)
-
-    cls.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own is None:
-            del cls.forward
-        else:
-            cls.forward = own  # type: ignore[method-assign]
-
-
-def is_transformers_model(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a Hugging Face ``transformers.PreTrainedModel`` (read from its class's
-    bases: transformers is not imported)."""
-    return any(
-        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
-        for cls in type(model).__mro__
-    )
-
-
-def _transformers_checkpointing(model: torch.nn.Module) -> CallContext:
-    """The ``call_context`` that applies Hugging Face's own activation checkpointing to the copy
-    of ``model`` before the first call: ``gradient_checkpointing_enable()`` (its defaults) and
-    ``config.use_cache = False`` (a key-value cache filled again by each recomputation breaks
-    it), as a user writes them. Only the copy (and its own copy of the config) changes."""
+    counted = counting(flops)
 
     @contextlib.contextmanager
-    def enabled(copier: Any, index: int) -> Iterator[None]:
-        if index == 0:
+    def applied(copier: Any, index: int) -> Iterator[None]:
+        if index == 0 and names:
             copies = [copy for copy in copier.modules if type(copy) is type(model)]
             if not copies:
                 raise ValueError(f"the estimate made no copy of the {type(model).__name__} to checkpoint")
             for copy in copies:  # the copy the estimate made of the user's model
-                copy.gradient_checkpointing_enable()
-                copy.config.use_cache = False
-        yield
+                checkpoint([copy.get_submodule(name) for name in names])
+        with counted(copier, index):
+            yield
 
-    return enabled
+    return applied
 
 
 def _step_model(call: Any) -> torch.nn.Module | None:
@@ -348,32 +304,63 @@ def _step_model(call: Any) -> torch.nn.Module | None:
 
 
 def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
-    """The step estimated with activation checkpointing of the repeated blocks
-    (:func:`repeated_blocks`) of the step's model (:func:`_step_model`); ``None`` without one.
+    """The fewest of the step's model's blocks (:func:`memlab.plan.checkpointing.candidate_blocks`)
+    to checkpoint for the failing step to fit, from the state at the failure: the search
+    :func:`memlab.plan` makes (:func:`memlab.plan.planner.search_plan`), with a fit decided under
+    the capacity less :data:`SPARE` bytes where that state is known, so the remedy and a plan never
+    disagree. The remedy's peak is that of the chosen count estimated as every step remedy is
+    (:func:`step_fit`); where no count fits, that of the count that needs the least. ``None``
+    without a model with blocks. A model that cannot be checkpointed raises, and the report says
+    why (:func:`memlab.oom.postmortem.build_report`)."""
+    from memlab.estimate.capped import completes_under
+    from memlab.plan.checkpointing import candidate_blocks, is_layer
+    from memlab.plan.planner import search_plan
 
-    A Hugging Face model is checkpointed its own way (:func:`_transformers_checkpointing`:
-    ``model.gradient_checkpointing_enable()`` and ``model.config.use_cache = False``, the remedy's
-    action); any other model's blocks run their forward under non-reentrant
-    ``torch.utils.checkpoint`` (:func:`checkpointed`). A model that cannot be checkpointed raises,
-    and the report says why (:func:`memlab.oom.postmortem.build_report`)."""
     call = capture.call
     if call is None or capture.capacity <= 0:
         return None
     model = _step_model(call)
-    found = None if model is None else repeated_blocks(model)
-    if model is None or found is None:
+    blocks = [] if model is None else candidate_blocks(model)
+    if model is None or not blocks:
         return None
-    cls, count = found
-    action = f"activation checkpointing of the {count} {cls.__name__} blocks"  # (its own for HF)
-    details: dict[str, Any] = {"block": cls.__name__, "blocks": count, "transformers": False}
-    if is_transformers_model(model):
-        peak, spared = step_fit(capture, start, call_context=_transformers_checkpointing(model))
-        action = "model.gradient_checkpointing_enable(), config.use_cache=False"
-        details["transformers"] = True
-    else:
-        peak, spared = step_fit(capture, start, checkpointed(cls))
-    why = unsure(start, spared)
-    return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=why)
+    names = [name for name, _ in blocks]
+    limit = capture.capacity - (SPARE if isinstance(start, AllocatorState) else 0)
+
+    def make() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return call.args, call.kwargs
+
+    def run(count: int) -> tuple[Estimate, int, Estimate | None]:
+        flops: list[int] = []
+        context = _checkpointing_first(model, names[:count], flops)
+        unbounded = _peak(capture, start, call.func, make, None, call_context=context)
+        within = completes_under(
+            lambda cap: _peak(capture, start, call.func, make, cap, call_context=context),
+            limit,
+            known=unbounded,
+        )
+        return unbounded, flops[-1], within
+
+    found = search_plan(run, names, limit, layers=is_layer(blocks[0][1]))
+    chosen = found.checkpointed
+    if found.fits and not chosen:
+        return None  # the step as it is fits from this state: no checkpointing to recommend
+    if not chosen:  # checkpointing lowers nothing as far as tried: the count tried that needs the least
+        count = min(
+            (c for c, _, _ in found.tried if c), key=lambda c: next(p for t, _, p in found.tried if t == c)
+        )
+        chosen = names[:count]
+    peak, spared = step_fit(capture, start, call_context=_checkpointing_first(model, chosen, []))
+    block = type(blocks[0][1]).__name__
+    action = f"checkpoint {len(chosen)} of the {len(names)} {block} blocks ({chosen[0]} to {chosen[-1]})"
+    if len(chosen) == 1:
+        action = f"checkpoint 1 of the {len(names)} {block} blocks ({chosen[0]})"
+    details: dict[str, Any] = {
+        "block": block,
+        "blocks": len(names),
+        "checkpointed": chosen,
+        "transformers": found.layers,
+    }
+    return Remedy("checkpointing", action, peak, capture.capacity, details, unsure=unsure(start, spared))
 
 
 #: The step remedies, in the order they are listed: each takes the capture and the state at the

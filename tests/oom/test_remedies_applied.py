@@ -20,6 +20,7 @@ from memlab._torch_version import torch_at_least
 from memlab.oom.postmortem import NOTE_WIDTH, replay_peak, trace_events
 from memlab.oom.report import shown_path
 from memlab.oom.step import Accumulation
+from memlab.plan.checkpointing import checkpoint as checkpoint_blocks
 from memlab.sources.workspaces import workspace_sizes
 from tests.oom.test_step import Net, train_step
 
@@ -130,7 +131,8 @@ def _apply(remedy, tracker, model, optimizer, idx, targets) -> int:
                     lm_step(model, optimizer, idx, targets)
             else:
                 assert remedy.kind == "checkpointing"
-                model.checkpointing = True
+                blocks = [model.get_submodule(name) for name in remedy.details["checkpointed"]]
+                checkpoint_blocks(blocks)  # the blocks the remedy names, as memlab.plan applies them
                 lm_step(model, optimizer, idx, targets)
     return tracker.max_memory_reserved()
 
@@ -147,7 +149,7 @@ def test_every_remedy_marked_fits_completes_two_steps_when_applied_right_after_t
         ("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:1024", 112 * MIB, False),
         (f"micro-batches of {micro} (of 16), 2 accumulation steps", 108 * MIB, True),
         ('torch.autocast("cpu", torch.bfloat16) (bf16)', bf16, False),
-        ("activation checkpointing of the 3 Block blocks", 108 * MIB, True),
+        ("checkpoint 1 of the 3 Block blocks (blocks.0)", 108 * MIB, True),  # memlab.plan's least
     ]
     # the history before the failing call, replayed under expandable segments (what a restart with
     # them meets), already runs out of the capacity at a 32 MiB workspace: left out, with a note
@@ -238,9 +240,9 @@ def test_without_history_the_report_shows_margins_and_says_why():
     lines = report.text().splitlines()
     start = lines.index("remedies (predicted peak reserved, capacity 128.00M):")
     assert lines[start + 1 :] == [
-        "  micro-batches of 1706 (of 2048), 2 accumulation steps   102.00M  margin 26.00M",
-        '  torch.autocast("cpu", torch.bfloat16) (bf16)            122.00M  margin 6.00M',
-        "  activation checkpointing of the 4 Block blocks          122.00M  margin 6.00M",
+        "  micro-batches of 1706 (of 2048), 2 accumulation steps       102.00M  margin 26.00M",
+        '  torch.autocast("cpu", torch.bfloat16) (bf16)                122.00M  margin 6.00M',
+        "  checkpoint 4 of the 4 Block blocks (blocks.0 to blocks.3)   122.00M  margin 6.00M",
         "  a margin is no promise: the state at the failure is unknown (no history), so estimated from an "
         "empty allocator",
     ]
@@ -322,9 +324,8 @@ def _apply_hf(remedy, tracker, model, optimizer, ids) -> int:
     """Two training steps of the Hugging Face model with ``remedy`` applied as a user writes it."""
     tracker.reset_peak_memory_stats()
     with tracker:
-        if remedy.kind == "checkpointing":
-            model.gradient_checkpointing_enable()
-            model.config.use_cache = False
+        if remedy.kind == "checkpointing":  # the layers the remedy names, with their own switch
+            checkpoint_blocks([model.get_submodule(name) for name in remedy.details["checkpointed"]])
         for _ in range(2):
             if remedy.kind == "micro_batch":
                 micro, steps = remedy.details["micro_batch"], remedy.details["accumulation_steps"]
@@ -351,15 +352,20 @@ def test_a_hugging_face_model_is_checkpointed_its_own_way_and_every_remedy_holds
     ]
     start = lines.index("remedies (predicted peak reserved, capacity 36.00M):")
     assert lines[start + 1 : start + 6] == [
-        "  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True                 42.00M  does not fit",
-        "  PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:1024                   40.00M  does not fit",
-        "  micro-batches of 5 (of 8), 2 accumulation steps                  36.00M  fits",
-        '  torch.autocast("cpu", torch.bfloat16) (bf16)                     36.00M  fits',
-        "  model.gradient_checkpointing_enable(), config.use_cache=False    36.00M  fits",
+        "  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True            42.00M  does not fit",
+        "  PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:1024              40.00M  does not fit",
+        "  micro-batches of 5 (of 8), 2 accumulation steps             36.00M  fits",
+        '  torch.autocast("cpu", torch.bfloat16) (bf16)                36.00M  fits',
+        "  checkpoint 1 of the 2 GPT2Block blocks (transformer.h.0)    36.00M  fits",
     ]
     assert not report.notes
     checkpointing = report.remedies[-1]
-    assert checkpointing.details == {"block": "GPT2Block", "blocks": 2, "transformers": True}
+    assert checkpointing.details == {
+        "block": "GPT2Block",
+        "blocks": 2,
+        "checkpointed": ["transformer.h.0"],
+        "transformers": True,  # each layer through its own switch
+    }
     # the estimate checkpointed a copy: the user's model is as it was
     assert (model.is_gradient_checkpointing, model.config.use_cache) == (False, True)
     for remedy in report.remedies[2:]:

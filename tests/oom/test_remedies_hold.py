@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import memlab
 from memlab.oom.accumulation import MIDDLE_ESTIMATED, MicroBatches
-from memlab.oom.step import checkpointed
+from memlab.plan.checkpointing import checkpoint, uncheckpoint
 
 MIB = 1 << 20
 
@@ -121,9 +121,6 @@ def failure(kind: str, batch: int, capacity: int, remedies: bool = True):
     return memlab.oom.last_report(), tracker, (model, optimizer, x, y)
 
 
-BLOCKS = {"Block": Block, "ConvBlock": ConvBlock, "Linear": torch.nn.Linear}
-
-
 def apply(remedy, tracker, model, optimizer, x, y) -> int:
     """Two training steps with ``remedy`` applied as a user writes it, under ``tracker``; the peak
     reserved bytes from there. Micro-batches: ``x.split(micro)``, each loss divided by their
@@ -142,8 +139,12 @@ def apply(remedy, tracker, model, optimizer, x, y) -> int:
                     step(model, optimizer, x, y)
             else:
                 assert remedy.kind == "checkpointing"
-                with checkpointed(BLOCKS[remedy.details["block"]]):
+                blocks = [model.get_submodule(name) for name in remedy.details["checkpointed"]]
+                checkpoint(blocks)  # the blocks the remedy names, as memlab.plan applies them
+                try:
                     step(model, optimizer, x, y)
+                finally:
+                    uncheckpoint(blocks)
     return tracker.max_memory_reserved()
 
 
@@ -186,7 +187,7 @@ def test_a_margin_says_why_it_promises_nothing():
     assert lines[start + 1 :][:4] == [
         "  micro-batches of 1024 (of 6144), 6 accumulation steps   100.00M  fits",
         '  torch.autocast("cpu", torch.bfloat16) (bf16)            100.00M  margin 0.00B',
-        "  activation checkpointing of the 3 Linear blocks         122.00M  does not fit",
+        "  checkpoint 2 of the 3 Linear blocks (0 to 2)            122.00M  does not fit",
         "  a margin is no promise: it fits with less than 2.00M to spare, which a small tensor the loop "
         "keeps beyond the step (a logged loss) can take",
     ]

@@ -12,7 +12,8 @@ import torch
 
 import memlab
 from memlab.oom.capture import Call
-from memlab.oom.step import checkpointed, find_batch, repeated_blocks
+from memlab.oom.step import find_batch
+from memlab.plan.checkpointing import candidate_blocks, checkpoint, uncheckpoint
 
 MIB = 1 << 20
 #: 80 MiB for tensors, and the two 32 MiB cuBLAS workspaces of the H100 the tracker models (the
@@ -117,19 +118,29 @@ def test_the_next_micro_batch_and_one_estimated_from_an_empty_allocator_run_out_
 
 def test_the_bf16_and_checkpointing_remedies_are_two_steps_estimated_from_the_state_at_the_failure():
     report, tracker, (model, optimizer, x, y) = _failing_step()
-    assert repeated_blocks(model) == (Block, 4)
+    assert [type(block) for _, block in candidate_blocks(model)] == [Block] * 4
     remedies = {r.kind: r for r in report.remedies}
     assert remedies["autocast_bf16"].action == 'torch.autocast("cpu", torch.bfloat16) (bf16)'
     assert [r.kind for r in report.remedies if r.kind.startswith("autocast")] == ["autocast_bf16"]
-    assert remedies["checkpointing"].details == {"block": "Block", "blocks": 4, "transformers": False}
-    assert remedies["checkpointing"].action == "activation checkpointing of the 4 Block blocks"
+    names = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]  # none fits: the count that needs the least
+    assert remedies["checkpointing"].details == {
+        "block": "Block",
+        "blocks": 4,
+        "checkpointed": names,
+        "transformers": False,
+    }
+    assert remedies["checkpointing"].action == "checkpoint 4 of the 4 Block blocks (blocks.0 to blocks.3)"
     # neither fits; what each would need, from that state and without a limit
     assert (remedies["autocast_bf16"].peak_reserved, remedies["autocast_bf16"].fits) == (266 * MIB, False)
     assert (remedies["checkpointing"].peak_reserved, remedies["checkpointing"].fits) == (246 * MIB, False)
+    blocks = [model.get_submodule(name) for name in remedies["checkpointing"].details["checkpointed"]]
+    checkpoint(blocks)
     tracker.reset_peak_memory_stats()
-    with tracker, pytest.raises(torch.OutOfMemoryError), checkpointed(Block):
-        train_step(model, optimizer, x, y)
-    assert Block.forward is Block.__dict__["forward"]  # restored
+    try:
+        with tracker, pytest.raises(torch.OutOfMemoryError):
+            train_step(model, optimizer, x, y)
+    finally:
+        uncheckpoint(blocks)
 
 
 def test_remedies_are_listed_in_order_each_with_its_number():
