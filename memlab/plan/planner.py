@@ -207,9 +207,12 @@ def search_plan(
 def _savings(unbounded: dict[int, Estimate], names: list[str]) -> list[int]:
     """Per block, the bytes its ops saved for backward in the step as it is (``by_module``'s
     ``activation``, summed over the block and what it contains): about what checkpointing it frees
-    at the peak. Zeros where the estimate's module paths are not the blocks' (another model first)."""
-    table = unbounded[0].by_module()["activation"]
+    at the peak. Zeros where the estimate's module paths are not the blocks' (another model first)
+    or it recorded no module."""
     saved = dict.fromkeys(names, 0)
+    if unbounded[0].modules is None:
+        return [0] * len(names)
+    table = unbounded[0].by_module()["activation"]
     for path, value in table.items():
         block = next((name for name in names if path == name or path.startswith(name + ".")), None)
         if block is not None:
