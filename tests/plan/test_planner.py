@@ -103,7 +103,7 @@ def test_the_plan_as_a_table(fitting):
         "  blocks checkpointed  fits  peak reserved (unbounded)\n"
         "                   0    no        412.00M\n"
         "                   4   yes        236.00M"
-    )  # 3 blocks were not tried: the line through 0 and 4 puts them at 280.00M (a real run: OOM above)
+    )  # 3 not tried: the requested peaks' line through 0 and 4 puts them over (a real run: OOM above)
 
 
 def test_the_recomputed_flops_are_those_pytorchs_counter_counts_in_a_real_run(job, fitting):
