@@ -63,7 +63,12 @@ def _accumulate(
 ) -> list[Any]:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     size = batch_size(args, kwargs, batch_dim)
-    if size is None or size % micro_batches:
+    if size is None:
+        raise ValueError(
+            f"accumulating {getattr(step, '__qualname__', step)!r}: no tensor argument has a dimension "
+            f"{batch_dim} to split into micro-batches; pass the batch as tensors"
+        )
+    if size % micro_batches:
         raise ValueError(
             f"a batch of {size} along dimension {batch_dim} does not split into {micro_batches} equal "
             f"micro-batches: pass a batch whose size is a multiple of {micro_batches}"

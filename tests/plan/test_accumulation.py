@@ -86,6 +86,12 @@ def test_a_batch_that_does_not_split_evenly():
     assert "step" not in vars(optimizer)
 
 
+def test_a_call_without_a_batch():
+    model, optimizer, _, _ = make_job()
+    with pytest.raises(ValueError, match=r"^accumulating 'zero_last': no tensor argument has a dimension 0 "):
+        accumulating(zero_last, 2)(model, optimizer, 3, 4)
+
+
 def test_a_step_without_its_optimizer_among_the_arguments():
     model, _, x, y = make_job()
     with pytest.raises(TypeError, match=r"^accumulating 'zero_last': no optimizer among its arguments; pass"):
