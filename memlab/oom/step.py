@@ -269,15 +269,17 @@ def fp16_autocast_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     return _autocast_remedy(capture, start, torch.float16, "autocast_fp16")
 
 
-def _checkpointing_first(model: torch.nn.Module, names: list[str], flops: list[int]) -> CallContext:
+def _checkpointing_first(
+    model: torch.nn.Module, names: list[str], flops: list[int] | None = None
+) -> CallContext:
     """The ``call_context`` that checkpoints the blocks ``names`` of the estimate's copy of ``model``
     before the first call (:func:`memlab.plan.checkpointing.checkpoint`: a Hugging Face layer with its
     own switch, which drops its KV cache; any other block by its ``forward``; only the copy changes)
-    and counts each call's FLOPs into ``flops``."""
+    and, given ``flops``, counts each call's FLOPs into it."""
     from memlab.plan.checkpointing import checkpoint
     from memlab.plan.flops import counting
 
-    counted = counting(flops)
+    counted = counting(flops) if flops is not None else None
 
     @contextlib.contextmanager
     def applied(copier: Any, index: int) -> Iterator[None]:
@@ -287,7 +289,7 @@ def _checkpointing_first(model: torch.nn.Module, names: list[str], flops: list[i
                 raise ValueError(f"the estimate made no copy of the {type(model).__name__} to checkpoint")
             for copy in copies:  # the copy the estimate made of the user's model
                 checkpoint([copy.get_submodule(name) for name in names])
-        with counted(copier, index):
+        with counted(copier, index) if counted else contextlib.nullcontext():
             yield
 
     return applied
@@ -345,11 +347,8 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     if found.fits and not chosen:
         return None  # the step as it is fits from this state: no checkpointing to recommend
     if not chosen:  # checkpointing lowers nothing as far as tried: the count tried that needs the least
-        count = min(
-            (c for c, _, _ in found.tried if c), key=lambda c: next(p for t, _, p in found.tried if t == c)
-        )
-        chosen = names[:count]
-    peak, spared = step_fit(capture, start, call_context=_checkpointing_first(model, chosen, []))
+        chosen = names[: min((peak, count) for count, _, peak in found.tried if count)[1]]
+    peak, spared = step_fit(capture, start, call_context=_checkpointing_first(model, chosen))
     block = type(blocks[0][1]).__name__
     action = f"checkpoint {len(chosen)} of the {len(names)} {block} blocks ({chosen[0]} to {chosen[-1]})"
     if len(chosen) == 1:
