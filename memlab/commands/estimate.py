@@ -139,7 +139,8 @@ class EstimateCommand:
         parser.add_argument(
             "--plan",
             action="store_true",
-            help="also plan the fewest blocks to checkpoint for the steps to fit the budget (memlab.plan)",
+            help="also plan the cheapest change for the steps to fit the budget: the optimizer's foreach "
+            "off, the fewest blocks to checkpoint, else micro-batches (memlab.plan)",
         )
         parser.add_argument(
             "--json", action="store_true", help="print one JSON object (bytes) instead of text"
@@ -209,14 +210,14 @@ class EstimateCommand:
             found = None
             if args.plan:
                 with Progress("estimate --plan") as shown:
-                    shown.update(f"planning the blocks of {recipe.name} to checkpoint")
+                    shown.update(f"planning {recipe.name}'s steps to fit {format_size(budget)}")
                     found = plan_training(recipe, setup, budget)
-                    shown.done(f"{len(found.checkpointed)} of {len(found.blocks)} blocks")
+                    shown.done("fits" if found.fits else "does not fit")
         except ValueError as error:  # a model that cannot train as asked (no checkpointing switch)
             raise CommandError(str(error)) from None
         answer = _answer(args, recipe, setup, estimate, counted, budget, fit)
         if found is not None:
-            answer["plan"] = _plan(found)
+            answer["plan"] = _plan(found, setup.batch_size)
         sys.stdout.write(json.dumps(answer) + "\n" if args.json else _text(answer))
         sys.stdout.flush()
         return 0
@@ -280,18 +281,44 @@ def _answer(
     return answer
 
 
-def _plan(found: Any) -> dict[str, Any]:
-    """A :class:`memlab.plan.Plan` as the JSON object's ``plan`` (bytes, FLOPs of one step)."""
+def _plan(found: Any, batch_size: int) -> dict[str, Any]:
+    """A :class:`memlab.plan.Plan` as the JSON object's ``plan`` (bytes, FLOPs of one step); its
+    ``trainer``: the micro-batches of a batch of ``batch_size`` as a trainer's settings (``None``
+    without micro-batches)."""
+    trainer = None
+    if found.micro_batches > 1:
+        size = batch_size // found.micro_batches
+        trainer = (
+            f"as a trainer's settings: batches of {size}, {found.micro_batches} gradient accumulation steps "
+            f"(Hugging Face: per_device_train_batch_size={size}, gradient_accumulation_steps="
+            f"{found.micro_batches}; Lightning: a DataLoader of batch_size={size}, "
+            f"accumulate_grad_batches={found.micro_batches})"
+        )
     return {
         "fits": found.fits,
         "blocks": len(found.blocks),
         "checkpointed": found.checkpointed,
+        "optimizer_foreach_off": found.settings.per_parameter,
+        "micro_batches": found.micro_batches,
         "peak_reserved": found.estimate.peak_reserved,
         "recomputed_flops": found.recomputed_flops,
         "extra_compute": found.extra_compute,
         "tried": [
-            {"checkpointed": count, "fits": fits, "peak_reserved": peak} for count, fits, peak in found.tried
+            *(
+                {"optimizer_foreach_off": True, "fits": fits, "peak_reserved": peak}
+                for _, fits, peak in found.setting_tries
+            ),
+            *(
+                {"checkpointed": count, "fits": fits, "peak_reserved": peak}
+                for count, fits, peak in found.tried
+            ),
+            *(
+                {"micro_batches": count, "fits": fits, "peak_reserved": peak}
+                for count, fits, peak in found.micro_batch_tries
+            ),
         ],
+        "rejected": found.rejected,
+        "trainer": trainer,
         "text": repr(found),
         "code": found.code,
     }
@@ -358,5 +385,6 @@ def _text(answer: dict[str, Any]) -> str:
         )
     if "plan" in answer:
         lines += answer["plan"]["text"].splitlines() + answer["plan"]["code"].splitlines()
+        lines += [answer["plan"]["trainer"]] if answer["plan"]["trainer"] else []
     lines += [f"caveat: {caveat}" for caveat in answer["caveats"]]
     return "\n".join(lines) + "\n"

@@ -28,9 +28,9 @@ from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer
-from memlab.plan.flops import counting
 from memlab.plan.planner import search_plan
 from memlab.plan.result import Plan
+from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
 __all__ = [
     "OPTIMIZERS",
@@ -238,21 +238,23 @@ def _estimate(
     mesh: Any,
     checkpointed: int = 0,
     flops: list[int] | None = None,
+    settings: Settings = AS_IT_IS,
 ) -> Estimate:
     """The estimate of ``setup.steps`` steps at ``batch_size``, capped at ``capacity`` bytes, with the
-    first ``checkpointed`` blocks checkpointed; each step's FLOPs appended to ``flops`` (if given)."""
+    first ``checkpointed`` blocks checkpointed and the plan's ``settings``; each step's FLOPs
+    appended to ``flops`` (if given)."""
     step = functools.partial(
         training_step, autocast=setup.autocast, own_loss=recipe.library == "transformers"
     )
     functools.update_wrapper(step, training_step)
     return run_estimate(
-        step,
+        settings.step(step, "cuda"),
         _arguments(recipe, setup, batch_size, counted, mesh, checkpointed),
         torch.device("cuda"),
         steps=setup.steps,
         capacity=capacity,
         gpu=setup.gpu,
-        call_context=None if flops is None else counting(flops),
+        call_context=None if flops is None else call_context(settings, flops),
         stacks=False,  # the command prints no snapshot: peaks and categories need no stacks
     )
 
@@ -294,12 +296,13 @@ def largest_batch(
 
 
 def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Plan:
-    """:func:`memlab.plan` for ``recipe``'s model built data-free: the fewest of its first blocks
+    """:func:`memlab.plan` for ``recipe``'s model built data-free, with its knobs: the optimizer
+    stepping per parameter, the fewest of its first blocks
     (:func:`memlab.plan.checkpointing.candidate_blocks`, named as in the model the recipe builds)
-    to checkpoint for ``setup.steps`` steps to complete within ``budget`` bytes on ``setup.gpu``;
-    each configuration tried builds the model anew. ``ValueError`` with
-    ``setup.gradient_checkpointing`` (it checkpoints every layer already) or for a model without
-    blocks."""
+    checkpointed, else micro-batches of ``setup.batch_size``, for ``setup.steps`` steps to complete
+    within ``budget`` bytes on ``setup.gpu``; each configuration tried builds the model anew.
+    ``ValueError`` with ``setup.gradient_checkpointing`` (it checkpoints every layer already) or
+    for a model without blocks."""
     if setup.gradient_checkpointing:
         raise ValueError("planning chooses the blocks to checkpoint: leave gradient checkpointing off")
     with torch.device("meta"):
@@ -309,9 +312,16 @@ def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Pla
     counted = ParameterCount()
     with _job(recipe, setup) as mesh:
 
-        def run(count: int) -> tuple[Estimate, int, Estimate | None]:
+        def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
             flops: list[int] = []
-            found = _estimate(recipe, setup, setup.batch_size, None, counted, mesh, count, flops)
+            found = _estimate(recipe, setup, setup.batch_size, None, counted, mesh, count, flops, settings)
             return found, flops[-1], found.under(budget)
 
-        return search_plan(run, [name for name, _ in blocks], budget, layers=is_layer(blocks[0][1]))
+        return search_plan(
+            run,
+            [name for name, _ in blocks],
+            budget,
+            layers=is_layer(blocks[0][1]),
+            knobs=("foreach", "checkpointing", "micro_batches"),
+            batch=setup.batch_size,
+        )

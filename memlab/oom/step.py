@@ -331,7 +331,7 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     def make() -> tuple[tuple[Any, ...], dict[str, Any]]:
         return call.args, call.kwargs
 
-    def run(count: int) -> tuple[Estimate, int, Estimate | None]:
+    def run(count: int, _: Any) -> tuple[Estimate, int, Estimate | None]:  # checkpointing only: no settings
         flops: list[int] = []
         context = _checkpointing_first(model, names[:count], flops)
         unbounded = _peak(capture, start, call.func, make, None, call_context=context)

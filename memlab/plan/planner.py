@@ -39,8 +39,9 @@ attention, the ops its ``FlopCounterMode`` counts).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -49,15 +50,26 @@ from torch.utils import _pytree as pytree
 from memlab._gpus import GpuLike, resolve_gpu
 from memlab._offload import interrupts_held
 from memlab._units import check_count, format_size
+from memlab.estimate.copies import named_objects
 from memlab.estimate.estimate import Estimate, _target, run_estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
 from memlab.history import categories
-from memlab.plan.accumulation import accumulating, batch_size
+from memlab.plan.accumulation import batch_size
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer, uncheckpoint
-from memlab.plan.flops import counting
 from memlab.plan.result import Plan
+from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
-__all__ = ["plan", "search_plan"]
+__all__ = ["KNOBS", "plan", "search_plan"]
+
+Outcome = tuple[Estimate, int, "Estimate | None"]
+"""What a run of the step estimates: its unbounded estimate, the FLOPs of its last step, its
+estimate under the budget (``None`` where it runs out of memory there)."""
+
+
+KNOBS = ("autocast", "foreach", "checkpointing", "micro_batches")
+"""What :func:`plan` can change, cheapest first: bf16 autocast (less memory and less time, other
+numbers: tried only when asked for), the optimizers' ``foreach`` off (no extra FLOPs, more kernel
+launches), checkpointing blocks (recomputed FLOPs), micro-batches (smaller kernels, a changed loop)."""
 
 
 def plan(
@@ -67,97 +79,170 @@ def plan(
     gpu: GpuLike | None = None,
     steps: int = 2,
     device: torch.device | str | None = None,
+    knobs: Iterable[str] = ("foreach", "checkpointing", "micro_batches"),
     **kwargs: Any,
 ) -> Plan:
     """The cheapest change that makes ``step(*args, **kwargs)`` (``steps`` calls in a row: the steady
     state of a training loop) complete within ``budget`` (bytes or a size such as ``"16 GiB"``;
     default: :func:`memlab.estimate.fit.default_budget` for ``cuda``: on a GPU machine what this
     process's allocator can still get, else the modelled GPU's memory less the CUDA context's
-    allowance), on ``gpu`` (default: the GPU in use, else an H100): none; else the fewest blocks to
-    checkpoint of the model among the arguments (the first ``torch.nn.Module``, positional or
-    keyword); else, where no checkpointing fits, the fewest micro-batches (equal slices of the batch
-    along dimension 0, gradients accumulated, one optimizer step: :meth:`Plan.step`), which needs
-    the optimizer among the arguments. Nothing of the user's changes: the search checkpoints the
-    model's blocks only while each estimate copies them.
+    allowance), on ``gpu`` (default: the GPU in use, else an H100), with the ``knobs`` (of
+    :data:`KNOBS`) tried in this order, each kept only where it lowers the peak: ``"autocast"``
+    (bf16 autocast around the whole step; not by default: it changes the numbers);
+    ``"foreach"`` (the optimizers step per parameter, ``foreach=False``: where any optimizer the step
+    can reach runs multi-tensor kernels); then ``"checkpointing"``: the fewest blocks to checkpoint of
+    the model among the arguments (the first ``torch.nn.Module``, positional or keyword); else, where
+    no checkpointing fits, ``"micro_batches"``: the fewest micro-batches (equal slices of the batch
+    along dimension 0, gradients accumulated, one optimizer step), which needs the optimizer among the
+    arguments. Nothing of the user's changes: the search checkpoints the model's blocks only while
+    each estimate copies them, and sets ``foreach`` on the copies.
 
-    Returns a :class:`Plan`: whether it fits, which modules to checkpoint or how many
-    micro-batches, its estimate (exact when applied: peak bytes as the CUDA caching allocator counts
-    them), the recomputed FLOPs per step. ``TypeError`` when no ``torch.nn.Module`` is among the
-    arguments; ``ValueError`` for a bad budget or a model with no blocks to checkpoint.
+    Returns a :class:`Plan`: whether it fits, what it changes (:attr:`Plan.settings`, the modules
+    to checkpoint), why each knob tried was not kept (:attr:`Plan.rejected`), its estimate (exact
+    when applied with :meth:`Plan.apply` and :meth:`Plan.step`: peak bytes as the CUDA caching
+    allocator counts them), the recomputed FLOPs per step. ``TypeError`` when no ``torch.nn.Module``
+    is among the arguments or ``knobs`` is not a collection of names; ``ValueError`` for a bad budget,
+    an unknown knob, or a model with no blocks to checkpoint (with ``"checkpointing"``).
 
-    What it cannot see: what an estimate cannot see (:func:`memlab.estimate`); the other knobs
-    (autocast, sharding, optimizer offload) are not searched yet; checkpointing and micro-batches
-    are not combined; the cost is in FLOPs, not time (micro-batches add none, but run smaller
-    kernels and read every weight once per micro-batch). Each configuration tried costs an estimate
-    of ``steps`` steps (of every micro-batch, for micro-batches).
+    What it cannot see: what an estimate cannot see (:func:`memlab.estimate`); sharding and optimizer
+    offload are not searched yet; checkpointing and micro-batches are not combined; the cost is in
+    FLOPs, not time (autocast makes a step faster on a GPU with bf16 tensor cores; per-parameter
+    optimizers and micro-batches add no FLOPs but launch more, smaller kernels and read every weight
+    once per micro-batch). Each configuration tried costs an estimate of ``steps`` steps.
     """
     if not callable(step):
         raise TypeError(
             f"step must be callable (the training step to plan), got {type(step).__name__} {step!r:.80}"
         )
     steps = check_count(steps, "steps", 1)
+    knobs = _knobs(knobs)
     model = next((arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.nn.Module)), None)
     if model is None:
         raise TypeError(
             "plan needs the model among the step's arguments (a torch.nn.Module, positional or keyword); "
             "none was given"
         )
-    blocks = candidate_blocks(model)
-    if not blocks:
+    blocks = candidate_blocks(model) if "checkpointing" in knobs else []
+    if "checkpointing" in knobs and not blocks:
         raise ValueError(f"{type(model).__name__} has no submodule with parameters to checkpoint")
     limit, _ = budget_in_bytes(budget, 0, torch.device("cuda"), modelled_gpu(gpu))
 
     modules = [module for _, module in blocks]
-
     modelled = resolve_gpu(gpu)
     target = _target("cuda" if device is None and gpu is not None else device, (step, args, kwargs))
 
-    def run(count: int, micro_batches: int = 1) -> tuple[Estimate, int, Estimate | None]:
+    def run(count: int, settings: Settings) -> Outcome:
         counted: list[int] = []
         with _checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
             found = run_estimate(
-                accumulating(step, micro_batches) if micro_batches > 1 else step,
+                settings.step(step, target.type),
                 lambda: (args, kwargs),
                 target,
                 steps=steps,
                 gpu=modelled,
-                call_context=counting(counted),
+                call_context=call_context(settings, counted),
             )
             return found, counted[-1], found.under(limit)
 
-    found = search_plan(run, [name for name, _ in blocks], limit, layers=is_layer(blocks[0][1]))
-    if not found.fits:
-        _split(found, lambda micro_batches: run(0, micro_batches), args, kwargs)
+    optimizers = _optimizers(step, args, kwargs)
+    skip = {}
+    if not any(_multi_tensor(group, target) for optimizer in optimizers for group in optimizer.param_groups):
+        skip["foreach"] = (
+            "no optimizer the step can reach runs multi-tensor kernels (foreach off or fused, or "
+            f"PyTorch's default on {target.type})"
+            if optimizers
+            else "no optimizer among the step's arguments or the names it uses"
+        )
+    if not any(isinstance(leaf, torch.optim.Optimizer) for leaf in pytree.tree_leaves((args, kwargs))):
+        skip["micro_batches"] = "no optimizer among the step's arguments (it must step once per batch)"
+    found = search_plan(
+        run,
+        [name for name, _ in blocks],
+        limit,
+        layers=bool(blocks) and is_layer(blocks[0][1]),
+        knobs=knobs,
+        skip=skip,
+        batch=batch_size(args, kwargs),
+    )
+    found.device_type = target.type
     return found
 
 
-def _split(
-    found: Plan, run: Callable[[int], tuple[Estimate, int, Estimate | None]], args: Any, kwargs: Any
-) -> None:
+def _knobs(knobs: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(knobs, str) or not isinstance(knobs, Iterable):
+        raise TypeError(
+            "knobs must be a collection of knob names such as ('checkpointing',), got "
+            f"{type(knobs).__name__} {knobs!r:.80}"
+        )
+    knobs = tuple(knobs)
+    unknown = [knob for knob in knobs if knob not in KNOBS]
+    if unknown:
+        raise ValueError(f"unknown knob {unknown[0]!r}: the knobs are {', '.join(map(repr, KNOBS))}")
+    return knobs
+
+
+def _optimizers(step: Callable[..., Any], args: Any, kwargs: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers among the step's arguments and the names it uses (globals, closures)."""
+    leaves = pytree.tree_leaves((args, kwargs, named_objects(step)))
+    return [leaf for leaf in leaves if isinstance(leaf, torch.optim.Optimizer)]
+
+
+def _free_knobs(
+    run: Callable[[int, Settings], Outcome], knobs: tuple[str, ...], rejected: dict[str, str]
+) -> Settings:
+    """The settings that add no FLOPs (autocast, per-parameter optimizers) among ``knobs``, each tried
+    on top of those kept before it and kept where it lowers the peak reserved bytes, until one fits;
+    the reason for each not kept goes into ``rejected``."""
+    settings = AS_IT_IS
+    for knob, field in (("autocast", "autocast"), ("foreach", "per_parameter")):
+        if knob not in knobs or knob in rejected:
+            continue
+        trial = replace(settings, **{field: True})
+        before, (unbounded, _, within) = run(0, settings)[0], run(0, trial)
+        if within is None and unbounded.peak_reserved >= before.peak_reserved:
+            rejected[knob] = (
+                f"the peak is no lower with {trial.changes[-1]}: {format_size(unbounded.peak_reserved)} "
+                f"reserved, {format_size(before.peak_reserved)} without"
+            )
+            continue
+        settings = trial
+        if within is not None:
+            break
+    return settings
+
+
+def _multi_tensor(group: dict[str, Any], target: torch.device) -> bool:
+    """Whether a parameter group steps with multi-tensor kernels on ``target`` (PyTorch's default
+    where every parameter is on a GPU: ``torch.optim.optimizer._default_to_fused_or_foreach``)."""
+    if group.get("fused") or group.get("foreach") is False:
+        return False
+    return group.get("foreach") is True or target.type != "cpu"
+
+
+def _split(found: Plan, run: Callable[[int], Outcome], batch: int | None) -> None:
     """Micro-batches for a plan that checkpointing cannot make fit: the least count that divides the
-    batch into equal micro-batches and fits, with no block checkpointed, tried in increasing order
-    while the peak falls (``found`` changed in place; where none fits, it keeps the configuration
-    that needs the least). Not tried where the parameters and optimizer state alone (alive through
-    every step, whatever its micro-batches) are over the budget."""
-    size = batch_size(args, kwargs)
+    batch (``batch`` long) into equal micro-batches and fits, with no block checkpointed, tried in
+    increasing order while the peak falls (``found`` changed in place; where none fits, it keeps the
+    configuration that needs the least). ``run(micro_batches)`` estimates the step so. Not tried
+    where the parameters and optimizer state alone (alive through every step, whatever its
+    micro-batches) are over the budget."""
     held = found.baseline.by_category("end")
     floor = held[categories.PARAMETER] + held[categories.OPTIMIZER_STATE]
-    if not any(isinstance(leaf, torch.optim.Optimizer) for leaf in pytree.tree_leaves((args, kwargs))):
-        found.why_not_micro_batches = "no optimizer among the step's arguments (it must step once per batch)"
-    elif size is None or size < 2:
-        found.why_not_micro_batches = f"a batch of {size} along dimension 0 cannot be split"
-    elif floor > found.budget:
-        found.why_not_micro_batches = (
+    if batch is None or batch < 2:
+        found.rejected["micro_batches"] = f"a batch of {batch} along dimension 0 cannot be split"
+        return
+    if floor > found.budget:
+        found.rejected["micro_batches"] = (
             f"the parameters and optimizer state alone take {format_size(floor)}, over the budget"
         )
-    if found.why_not_micro_batches:
         return
-    previous = found.baseline.peak_reserved
-    for micro_batches in (count for count in range(2, size + 1) if size % count == 0):
+    previous = run(1)[0].peak_reserved
+    for micro_batches in (count for count in range(2, batch + 1) if batch % count == 0):
         unbounded, _, within = run(micro_batches)
         found.micro_batch_tries.append((micro_batches, within is not None, unbounded.peak_reserved))
         if within is not None or unbounded.peak_reserved < found.estimate.peak_reserved:
-            found.micro_batches, found.checkpointed, found.recomputed_flops = micro_batches, [], 0
+            found.settings = replace(found.settings, micro_batches=micro_batches)
+            found.checkpointed, found.recomputed_flops = [], 0
             found.estimate = within or unbounded
         if within is not None:
             found.fits = True
@@ -168,13 +253,59 @@ def _split(
 
 
 def search_plan(
-    run: Callable[[int], tuple[Estimate, int, Estimate | None]], names: list[str], limit: int, layers: bool
+    run: Callable[[int, Settings], Outcome],
+    names: list[str],
+    limit: int,
+    *,
+    layers: bool,
+    knobs: Iterable[str] = ("checkpointing",),
+    skip: dict[str, str] | None = None,
+    batch: int | None = None,
 ) -> Plan:
-    """The :class:`Plan` of the least count of first blocks (``names``, in order) checkpointed whose
-    step fits ``limit`` bytes, searched as the module docstring says. ``run(count)`` estimates the
-    step with the first ``count`` blocks checkpointed: its unbounded estimate, the FLOPs of its last
-    step, and its estimate under a CUDA caching allocator capped at ``limit`` (``None`` where it runs
-    out of memory there). ``layers``: the blocks are Hugging Face layers (see :attr:`Plan.code`)."""
+    """The cheapest :class:`Plan` within ``limit`` bytes with ``knobs`` (:data:`KNOBS`), searched
+    as the module docstring says: the settings that add no FLOPs, then the least count of first
+    blocks (``names``, in order) checkpointed, then micro-batches of a batch of ``batch``.
+    ``run(count, settings)`` estimates the step with the first ``count`` blocks checkpointed and
+    those :class:`~memlab.plan.settings.Settings`: its unbounded estimate, the FLOPs of its last
+    step, and its estimate under a CUDA caching allocator capped at ``limit`` (``None`` where it
+    runs out of memory there); each configuration is run once. ``skip``: the knobs not to try, with
+    why; ``layers``: the blocks are Hugging Face layers (see :attr:`Plan.code`)."""
+    knobs = _knobs(knobs)
+    results: dict[tuple[int, Settings], Outcome] = {}
+
+    def once(count: int, settings: Settings) -> Outcome:
+        if (count, settings) not in results:
+            results[count, settings] = run(count, settings)
+        return results[count, settings]
+
+    skip = {knob: why for knob, why in (skip or {}).items() if knob in knobs}
+    rejected: dict[str, str] = {}  # the knobs the search needed and did not keep
+    settings = AS_IT_IS
+    if once(0, settings)[2] is None:
+        rejected.update((knob, why) for knob, why in skip.items() if knob in ("autocast", "foreach"))
+        settings = _free_knobs(once, knobs, rejected)
+    found = _checkpointing(
+        lambda count: once(count, settings), names if "checkpointing" in knobs else [], limit, layers
+    )
+    found.baseline, found.settings, found.rejected = once(0, AS_IT_IS)[0], settings, rejected
+    found.setting_tries = [
+        (tried, within is not None, unbounded.peak_reserved)
+        for (count, tried), (unbounded, _, within) in results.items()
+        if count == 0 and tried != AS_IT_IS
+    ]
+    if not found.fits and "micro_batches" in knobs:
+        if "micro_batches" in skip:
+            rejected["micro_batches"] = skip["micro_batches"]
+        else:
+            _split(
+                found, lambda micro_batches: once(0, replace(settings, micro_batches=micro_batches)), batch
+            )
+    return found
+
+
+def _checkpointing(run: Callable[[int], Outcome], names: list[str], limit: int, layers: bool) -> Plan:
+    """The :class:`Plan` of the least count of first blocks (``names``) checkpointed whose step fits
+    ``limit`` bytes; ``run(count)`` as :func:`search_plan`'s with the settings kept."""
     unbounded: dict[int, Estimate] = {}  # by blocks checkpointed, in the order tried
     fitted: dict[int, Estimate] = {}  # those that complete within the budget, capped at it
     flops: dict[int, int] = {}  # one step's FLOPs (the last step's) by blocks checkpointed
@@ -186,8 +317,11 @@ def search_plan(
         return within is not None
 
     most = max(len(names) - 1, 1)  # the last block is tried alone at the end (see the module docstring)
-    chosen = _search(fits, unbounded, _savings(unbounded, names), most, limit) if not fits(0) else 0
-    if chosen is None and most < len(names) and fits(len(names)):
+    if fits(0):
+        chosen: int | None = 0
+    else:
+        chosen = _search(fits, unbounded, _savings(unbounded, names), most, limit) if names else None
+    if chosen is None and 0 < most < len(names) and fits(len(names)):
         chosen = len(names)
     least = min(unbounded, key=lambda count: (unbounded[count].peak_reserved, count))
     return Plan(

@@ -20,6 +20,7 @@ import memlab
 from memlab._tensors import reachable_tensors
 from memlab.cli import main
 from memlab.distributed import fake_group
+from memlab.plan.settings import Settings
 
 transformers = pytest.importorskip("transformers")
 
@@ -384,20 +385,63 @@ def test_plan_equals_memlab_plan_of_the_model_built_from_the_config(
         "fits": True,
         "blocks": 2,
         "checkpointed": ["model.layers.0"],
+        "optimizer_foreach_off": False,
+        "micro_batches": 1,
         "peak_reserved": found.estimate.peak_reserved,
         "recomputed_flops": found.recomputed_flops,
         "extra_compute": found.extra_compute,
         "tried": [
-            {"checkpointed": count, "fits": fits, "peak_reserved": peak} for count, fits, peak in found.tried
+            {"optimizer_foreach_off": True, "fits": False, "peak_reserved": 154 * 2**20},
+            {"checkpointed": 0, "fits": False, "peak_reserved": 154 * 2**20},
+            {"checkpointed": 1, "fits": True, "peak_reserved": 124 * 2**20},
         ],
+        "rejected": {
+            "foreach": "the peak is no lower with optimizers step per parameter (foreach=False): 154.00M "
+            "reserved, 154.00M without"
+        },
+        "trainer": None,
         "text": repr(found),
         "code": found.code,
     }
     assert found.checkpointed == ["model.layers.0"] and found.recomputed_flops > 0
-    assert [row["peak_reserved"] for row in answer["plan"]["tried"]] == [154 * 2**20, 124 * 2**20]
+    assert found.setting_tries == [(Settings(per_parameter=True), False, 154 * 2**20)]
+    assert found.tried == [(0, False, 154 * 2**20), (1, True, 124 * 2**20)]
     assert main(["estimate", *argv]) == 0  # as text: the plan's table and code after the numbers
     text = capsys.readouterr().out
     assert f"{found!r}\n{found.code}\ncaveat: " in text
+
+
+def test_plan_splits_the_batch_where_no_checkpointing_fits_as_memlab_plan_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [LLAMA, "--batch-size", "64", "--seq-len", "64", "--steps", "2", "--budget", "90 MiB", "--plan"]
+    answer = cli_json(capsys, *argv)["plan"]
+    model = real_model(LLAMA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    found = memlab.plan(step, model, optimizer, tokens(64, 64), budget="90 MiB", steps=2, gpu="H100")
+    assert (found.fits, found.micro_batches, found.checkpointed) == (True, 8, [])
+    assert [(count, fits) for count, fits, _ in found.micro_batch_tries] == [
+        (2, False),
+        (4, False),
+        (8, True),
+    ]
+    assert (answer["fits"], answer["micro_batches"], answer["checkpointed"], answer["peak_reserved"]) == (
+        True,
+        8,
+        [],
+        found.estimate.peak_reserved,
+    )
+    assert [row for row in answer["tried"] if "micro_batches" in row] == [
+        {"micro_batches": count, "fits": fits, "peak_reserved": peak}
+        for count, fits, peak in found.micro_batch_tries
+    ]
+    assert answer["trainer"] == (
+        "as a trainer's settings: batches of 8, 8 gradient accumulation steps (Hugging Face: "
+        "per_device_train_batch_size=8, gradient_accumulation_steps=8; Lightning: a DataLoader of "
+        "batch_size=8, accumulate_grad_batches=8)"
+    )
+    assert main(["estimate", *argv]) == 0
+    assert f"{found.code}\n{answer['trainer']}\ncaveat: " in capsys.readouterr().out
 
 
 def test_plan_with_gradient_checkpointing(capsys: pytest.CaptureFixture[str]) -> None:

@@ -100,6 +100,8 @@ def test_the_plan_as_a_table(fitting):
         "Plan for a budget of 257.50M: checkpoint 4 of 6 blocks (layers.0 to layers.3): +22.5% compute\n"
         "  as it is: 412.00M reserved at peak\n"
         "  planned:  236.00M reserved at peak (within the budget)\n"
+        "  foreach not kept: no optimizer the step can reach runs multi-tensor kernels (foreach off or "
+        "fused, or PyTorch's default on cpu)\n"
         "  blocks checkpointed  fits  peak reserved (unbounded)\n"
         "                   0    no        412.00M\n"
         "                   4   yes        236.00M"
