@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from memlab._offload import interrupts_held
 from memlab._units import check_count
 
-__all__ = ["accumulating", "batch_size"]
+__all__ = ["accumulating", "batch_size", "wrap_step"]
 
 _MISSING = object()
 
@@ -50,12 +50,19 @@ def accumulating(step: Callable[..., Any], micro_batches: int, batch_dim: int = 
     micro-batch's backward on. ``ValueError`` where the batch does not split into equal micro-batches;
     ``TypeError`` where no optimizer (``torch.optim.Optimizer``) is among the arguments."""
     micro_batches = check_count(micro_batches, "micro_batches", 1)
+    return wrap_step(_accumulate, step, micro_batches, batch_dim)
+
+
+def wrap_step(runner: Callable[..., Any], step: Callable[..., Any], *options: Any) -> Callable[..., Any]:
+    """``step`` run by ``runner(step, *options, *args, **kwargs)`` at each call, with ``step``'s name
+    and docstring. A partial, not a closure: an estimate rebinds the names ``step`` uses
+    (:mod:`memlab.estimate.copies` follows a partial's function arguments). ``TypeError`` where
+    ``step`` is not callable."""
     if not callable(step):
         raise TypeError(f"step must be callable (a training step), got {type(step).__name__} {step!r:.80}")
-    # A partial, not a closure: an estimate rebinds the names ``step`` uses (memlab.estimate.copies).
-    accumulated = functools.partial(_accumulate, step, micro_batches, batch_dim)
-    functools.update_wrapper(accumulated, step)
-    return accumulated
+    wrapped = functools.partial(runner, step, *options)
+    functools.update_wrapper(wrapped, step)
+    return wrapped
 
 
 def _accumulate(

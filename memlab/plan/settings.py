@@ -20,14 +20,13 @@ One :class:`Settings` object makes the step both for the planner's estimates and
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
-from memlab.plan.accumulation import accumulating
+from memlab.plan.accumulation import accumulating, wrap_step
 from memlab.plan.flops import counting
 
 __all__ = ["AS_IT_IS", "Settings", "autocasting", "call_context", "per_parameter", "restore"]
@@ -72,12 +71,7 @@ def autocasting(
 ) -> Callable[..., Any]:
     """``step`` with every call run under ``torch.autocast(device_type, dtype=dtype)`` (``"cuda"``
     for a GPU)."""
-    if not callable(step):
-        raise TypeError(f"step must be callable (a training step), got {type(step).__name__} {step!r:.80}")
-    # A partial, not a closure: an estimate rebinds the names ``step`` uses (memlab.estimate.copies).
-    autocast = functools.partial(_autocast, step, device_type, dtype)
-    functools.update_wrapper(autocast, step)
-    return autocast
+    return wrap_step(_autocast, step, device_type, dtype)
 
 
 def _autocast(
