@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,8 +22,10 @@ from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
+from memlab.plan.result import Plan
+from memlab.plan.settings import Settings
 
-__all__ = ["MemlabCallback", "TrainerBatchFit", "estimate", "max_batch_size"]
+__all__ = ["MemlabCallback", "TrainerBatchFit", "estimate", "max_batch_size", "plan"]
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -63,16 +66,22 @@ def _num_training_steps(trainer: Any, dataloader: Any) -> int:
     return trainer.set_initial_training_values(trainer.args, dataloader, total)[-1]
 
 
-def _prepare(trainer: Any, steps: int, batch_size: int | None = None) -> tuple[Any, Any, Any, Any]:
+def _prepare(
+    trainer: Any, steps: int, batch_size: int | None = None, accumulation: int | None = None
+) -> tuple[Any, Any, Any, Any]:
     """``(trainer view, optimizer, scheduler, plan)``: what an estimate of ``steps`` steps of
     ``trainer`` needs, drawn from its dataloader (with ``per_device_train_batch_size`` set to
-    ``batch_size`` on a copy of its arguments when given) and restoring the RNG it uses."""
+    ``batch_size`` and ``gradient_accumulation_steps`` to ``accumulation`` on a copy of its
+    arguments when given) and restoring the RNG it uses."""
     view = copy.copy(trainer)
-    if batch_size is not None:
+    if batch_size is not None or accumulation is not None:
         # A copy, not dataclasses.replace: TrainingArguments.__post_init__ resets accelerate's state.
         view.args = copy.copy(trainer.args)
+    if batch_size is not None:
         view.args.per_device_train_batch_size = batch_size
         view._train_batch_size = batch_size
+    if accumulation is not None:
+        view.args.gradient_accumulation_steps = accumulation
     accelerator = copy.copy(trainer.accelerator)
     accelerator._dataloaders = []
     view.accelerator = accelerator
@@ -92,9 +101,13 @@ def _run(
     gpu: GpuLike | None,
     *,
     batch_size: int | None = None,
+    accumulation: int | None = None,
     capacity: int | None = None,
+    call_context: Any = None,
 ) -> Estimate:
-    view, optimizer, scheduler, (plan, num_training_steps) = _prepare(trainer, steps, batch_size)
+    view, optimizer, scheduler, (plan, num_training_steps) = _prepare(
+        trainer, steps, batch_size, accumulation
+    )
     model = trainer.model
     modelled = resolve_gpu(gpu)
     target = _device(device)
@@ -103,7 +116,15 @@ def _run(
         return (view, model, optimizer, TrainerLoop(plan, scheduler, num_training_steps)), {}
 
     with untouched():
-        result = run_estimate(optimizer_step, arguments, target, steps=steps, capacity=capacity, gpu=modelled)
+        result = run_estimate(
+            optimizer_step,
+            arguments,
+            target,
+            steps=steps,
+            capacity=capacity,
+            gpu=modelled,
+            call_context=call_context,
+        )
     result.name = f"{type(trainer).__name__} optimizer step"
     args = trainer.args
     if target.type == "cuda" and args.device.type != "cuda" and (args.bf16 or args.fp16):
@@ -245,3 +266,80 @@ def max_batch_size(
     if size != per_device:
         changes = {"per_device_train_batch_size": size, "gradient_accumulation_steps": steps_needed}
     return TrainerBatchFit(good, size, steps_needed, per_device * accumulation, changes, fit)
+
+
+def plan(
+    trainer: Any,
+    budget: int | str | None = None,
+    *,
+    steps: int = 2,
+    device: torch.device | str | None = None,
+    gpu: GpuLike | None = None,
+    knobs: Iterable[str] = ("foreach", "checkpointing", "micro_batches"),
+) -> Plan:
+    """:func:`memlab.plan` for a ``Trainer``: the cheapest change that makes ``steps`` optimizer steps
+    of ``trainer.train()`` (as :func:`estimate` runs them) complete within ``budget`` bytes (default
+    as :func:`max_batch_size`'s), with the knobs of :func:`memlab.plan` except autocast (a trainer's
+    is its ``bf16``/``fp16`` argument): its optimizer's ``foreach`` off, the fewest of its model's
+    first blocks checkpointed, else micro-batches, which for a trainer are its own
+    ``TrainingArguments``: ``per_device_train_batch_size`` divided by ``n`` and
+    ``gradient_accumulation_steps`` multiplied by ``n`` (the same effective batch; ``n`` divides the
+    per-device batch). :attr:`memlab.plan.Plan.arguments` holds those fields, :attr:`~memlab.plan.
+    Plan.code` says the change in trainer terms; ``plan.apply(trainer.model)`` checkpoints the blocks
+    (before ``train()``). Nothing of the user's trainer changes. ``ValueError`` for the autocast knob
+    and what :func:`memlab.plan` rejects; what it cannot see is what :func:`estimate` cannot."""
+    from memlab.estimate.fit import budget_in_bytes, modelled_gpu
+    from memlab.plan.checkpointing import candidate_blocks, is_layer
+    from memlab.plan.planner import checkpointed, multi_tensor_skip, search_plan
+    from memlab.plan.settings import call_context
+
+    _check_trainer(trainer)
+    steps = check_count(steps, "steps", 1)
+    knobs = tuple(knobs) if not isinstance(knobs, str) else knobs
+    if "autocast" in knobs:
+        raise ValueError(
+            "a Trainer's autocast is its TrainingArguments' bf16=True (or fp16=True): set it and plan "
+            "again; the knobs for a Trainer are 'foreach', 'checkpointing', 'micro_batches'"
+        )
+    modelled = modelled_gpu(gpu)
+    target = _device(device)
+    limit, _ = budget_in_bytes(budget, 0, target, modelled)
+    blocks = candidate_blocks(trainer.model) if "checkpointing" in knobs else []
+    modules = [module for _, module in blocks]
+    per_device, accumulation = (
+        trainer.args.per_device_train_batch_size,
+        trainer.args.gradient_accumulation_steps,
+    )
+
+    def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
+        flops: list[int] = []
+        split = settings.micro_batches
+        with checkpointed(modules[:count]):
+            found = _run(
+                trainer,
+                steps,
+                target,
+                modelled,
+                batch_size=per_device // split if split > 1 else None,
+                accumulation=accumulation * split if split > 1 else None,
+                call_context=call_context(settings, flops),
+            )
+            return found, flops[-1], found.under(limit)
+
+    found = search_plan(
+        run,
+        [name for name, _ in blocks],
+        limit,
+        layers=bool(blocks) and is_layer(blocks[0][1]),
+        knobs=knobs,
+        skip=multi_tensor_skip([_optimizer_and_scheduler(trainer, 0)[0]], target),
+        batch=per_device,
+    )
+    found.device_type = target.type
+    found.arguments = {}
+    if found.micro_batches > 1:
+        found.arguments = {
+            "per_device_train_batch_size": per_device // found.micro_batches,
+            "gradient_accumulation_steps": accumulation * found.micro_batches,
+        }
+    return found

@@ -59,7 +59,7 @@ from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer, un
 from memlab.plan.result import Plan
 from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
-__all__ = ["KNOBS", "plan", "search_plan"]
+__all__ = ["KNOBS", "checkpointed", "multi_tensor_skip", "plan", "search_plan"]
 
 Outcome = tuple[Estimate, int, "Estimate | None"]
 """What a run of the step estimates: its unbounded estimate, the FLOPs of its last step, its
@@ -133,7 +133,7 @@ def plan(
 
     def run(count: int, settings: Settings) -> Outcome:
         counted: list[int] = []
-        with _checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
+        with checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
             found = run_estimate(
                 settings.step(step, target.type),
                 lambda: (args, kwargs),
@@ -144,15 +144,7 @@ def plan(
             )
             return found, counted[-1], found.under(limit)
 
-    optimizers = _optimizers(step, args, kwargs)
-    skip = {}
-    if not any(_multi_tensor(group, target) for optimizer in optimizers for group in optimizer.param_groups):
-        skip["foreach"] = (
-            "no optimizer the step can reach runs multi-tensor kernels (foreach off or fused, or "
-            f"PyTorch's default on {target.type})"
-            if optimizers
-            else "no optimizer among the step's arguments or the names it uses"
-        )
+    skip = multi_tensor_skip(_optimizers(step, args, kwargs), target)
     if not any(isinstance(leaf, torch.optim.Optimizer) for leaf in pytree.tree_leaves((args, kwargs))):
         skip["micro_batches"] = "no optimizer among the step's arguments (it must step once per batch)"
     found = search_plan(
@@ -211,12 +203,25 @@ def _free_knobs(
     return settings
 
 
-def _multi_tensor(group: dict[str, Any], target: torch.device) -> bool:
-    """Whether a parameter group steps with multi-tensor kernels on ``target`` (PyTorch's default
-    where every parameter is on a GPU: ``torch.optim.optimizer._default_to_fused_or_foreach``)."""
-    if group.get("fused") or group.get("foreach") is False:
-        return False
-    return group.get("foreach") is True or target.type != "cpu"
+def multi_tensor_skip(optimizers: list[torch.optim.Optimizer], target: torch.device) -> dict[str, str]:
+    """``{"foreach": why}`` where no parameter group of ``optimizers`` steps with multi-tensor kernels
+    on ``target`` (so turning ``foreach`` off cannot lower anything), else ``{}``: the ``skip`` of
+    :func:`search_plan`. PyTorch's default (``foreach=None``, not fused) is multi-tensor where every
+    parameter is on a GPU (``torch.optim.optimizer._default_to_fused_or_foreach``)."""
+
+    def multi_tensor(group: dict[str, Any]) -> bool:
+        if group.get("fused") or group.get("foreach") is False:
+            return False
+        return group.get("foreach") is True or target.type != "cpu"
+
+    if any(multi_tensor(group) for optimizer in optimizers for group in optimizer.param_groups):
+        return {}
+    if not optimizers:
+        return {"foreach": "no optimizer among the step's arguments or the names it uses"}
+    return {
+        "foreach": "no optimizer the step can reach runs multi-tensor kernels (foreach off or fused, or "
+        f"PyTorch's default on {target.type})"
+    }
 
 
 def _split(found: Plan, run: Callable[[int], Outcome], batch: int | None) -> None:
@@ -407,9 +412,9 @@ def _crossing(low: int, high: int, low_peak: int, high_peak: int, limit: int, mo
 
 
 @contextmanager
-def _checkpointed(modules: list[torch.nn.Module]) -> Iterator[None]:
-    """``modules`` checkpointed while the block runs (an estimate copies them so), then as before,
-    also on an error or Ctrl-C."""
+def checkpointed(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """``modules`` checkpointed (:func:`memlab.plan.checkpointing.checkpoint`) while the block runs (an
+    estimate copies them so), then as before, also on an error or Ctrl-C."""
     with interrupts_held():
         checkpoint(modules)
     try:

@@ -34,7 +34,10 @@ class Plan:
     run)``; ``micro_batch_tries``: each count of micro-batches estimated, likewise (only where no
     checkpointing fits, with none checkpointed); ``rejected``: why each knob tried or considered was
     not kept, by knob name; ``layers``: the blocks are Hugging Face layers, checkpointed with their
-    own switch (:attr:`code` says how); ``device_type``: where the step's autocast runs.
+    own switch (:attr:`code` says how); ``device_type``: where the step's autocast runs;
+    ``arguments``: for a Hugging Face ``Trainer``'s plan
+    (:func:`memlab.integrations.transformers.plan`), the ``TrainingArguments`` fields its
+    micro-batches set (``{}`` without; ``None`` for a plan of a step).
 
     :meth:`apply` checkpoints those modules of a model (the one ``plan`` was given, or one of the
     same structure) and sets the optimizers' ``foreach``; :meth:`remove` undoes it; :meth:`step`
@@ -59,6 +62,7 @@ class Plan:
         self.rejected: dict[str, str] = {}
         self.setting_tries: list[tuple[Settings, bool, int]] = []
         self.micro_batch_tries: list[tuple[int, bool, int]] = []
+        self.arguments: dict[str, int] | None = None
         self.fits = fits
         self.layers = layers
         self.budget = budget
@@ -160,7 +164,15 @@ class Plan:
         ``optimizer`` and ``train_step`` name them)."""
         if not self.fits:
             return f"# {self._verdict()}"
+        trainer = self.arguments is not None  # a Trainer's plan: its model, optimizer and arguments
         parts = []
+        if trainer and self.checkpointed:
+            parts.append("model = trainer.model")
+        if trainer and self.settings.per_parameter:
+            parts.append(
+                "trainer.create_optimizer()  # the optimizer train() would make, made now\n"
+                "optimizer = trainer.optimizer"
+            )
         if self.checkpointed:
             names = ", ".join(repr(name) for name in self.checkpointed)
             if self.layers:  # Hugging Face layers: their own switch, their KV cache dropped (memlab's helper)
@@ -187,7 +199,13 @@ class Plan:
                 "from memlab.plan.settings import autocasting\n"
                 f"train_step = autocasting(train_step, {self.device_type!r})"
             )
-        if self.micro_batches > 1:
+        if self.arguments:
+            fields = ", ".join(f"{name}={value}" for name, value in self.arguments.items())
+            parts.append(
+                "# in the TrainingArguments the Trainer is built with (the same effective batch):\n"
+                f"#   {fields}"
+            )
+        elif self.micro_batches > 1:
             parts.append(
                 f"# {self.micro_batches} micro-batches per batch, gradients accumulated, one optimizer step\n"
                 "from memlab.plan.accumulation import accumulating\n"

@@ -310,3 +310,55 @@ def test_a_trainers_method_given_to_memlab_estimate_names_the_integration(tmp_pa
         "loop sets); estimate the trainer's optimizer steps with "
         "memlab.integrations.transformers.estimate(trainer)"
     )
+
+
+@pytest.mark.parametrize(
+    ("budget", "checkpointed", "arguments"),
+    [
+        ("73 MiB", ["transformer.h.0", "transformer.h.1"], {}),
+        ("71 MiB", [], {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4}),
+    ],
+    ids=["checkpointing", "micro-batches"],
+)
+def test_a_plan_fits_when_the_trainer_is_built_and_trained_as_it_says(
+    tmp_path, budget, checkpointed, arguments
+):
+    """A batch of 16 needs 76 MiB: 73 MiB are met by checkpointing both GPT-2 blocks, 71 MiB only by
+    4 micro-batches of 4, as the trainer's own gradient accumulation. Each is applied to a new
+    trainer, whose real ``train()`` under the budget has exactly the planned peaks."""
+    trainer = make_trainer(tmp_path / "plan", batch_size=16, accumulation=1, max_steps=2)
+    found = hf.plan(trainer, budget, steps=2, device="cpu")
+    assert (found.fits, found.checkpointed, found.arguments) == (True, checkpointed, arguments)
+    assert found.baseline.peak_reserved == 76 * MiB
+    assert not any(getattr(block, "gradient_checkpointing", False) for block in trainer.model.modules())
+    sizes = {"batch_size": 16, "accumulation": 1}
+    if arguments:
+        sizes = {"batch_size": 4, "accumulation": 4}
+        assert found.code == (
+            "# in the TrainingArguments the Trainer is built with (the same effective batch):\n"
+            "#   per_device_train_batch_size=4, gradient_accumulation_steps=4"
+        )
+    else:
+        assert found.code == (
+            "model = trainer.model\n"
+            "from memlab.plan.checkpointing import checkpoint\n"
+            "checkpoint([model.get_submodule(name) for name in ['transformer.h.0', 'transformer.h.1']])"
+        )
+    planned = make_trainer(tmp_path / "real", max_steps=2, **sizes)
+    with found.apply(planned.model):
+        real = tracked_training(planned, capacity=budget)
+    assert [found.estimate.peak_allocated, found.estimate.peak_reserved] == [
+        real["allocated_bytes.all.peak"],
+        real["reserved_bytes.all.peak"],
+    ]
+    with pytest.raises(torch.OutOfMemoryError):  # as it is, the trainer does not fit
+        tracked_training(make_trainer(tmp_path / "as-is", batch_size=16, accumulation=1, max_steps=2), budget)
+
+
+def test_a_trainer_plan_refuses_autocast(tmp_path):
+    with pytest.raises(ValueError) as raised:
+        hf.plan(make_trainer(tmp_path), "70 MiB", device="cpu", knobs=("autocast",))
+    assert str(raised.value) == (
+        "a Trainer's autocast is its TrainingArguments' bf16=True (or fp16=True): set it and plan again; "
+        "the knobs for a Trainer are 'foreach', 'checkpointing', 'micro_batches'"
+    )
