@@ -16,7 +16,7 @@ import dataclasses
 import random
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,8 +28,10 @@ from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, budget_in_bytes, modelled_gpu, search_batch_size
 from memlab.integrations._lightning_callback import MemlabCallback
+from memlab.plan.result import Plan
+from memlab.plan.settings import Settings
 
-__all__ = ["MemlabCallback", "estimate", "max_batch_size"]
+__all__ = ["MemlabCallback", "estimate", "max_batch_size", "plan"]
 
 
 def estimate(
@@ -143,6 +145,86 @@ def max_batch_size(
     return fit
 
 
+def plan(
+    trainer: Any,
+    module: Any,
+    datamodule: Any = None,
+    *,
+    budget: int | str | None = None,
+    batch_arg_name: str = "batch_size",
+    steps: int = 2,
+    device: torch.device | str | None = None,
+    gpu: GpuLike | None = None,
+    knobs: Iterable[str] = ("foreach", "checkpointing", "micro_batches"),
+) -> Plan:
+    """:func:`memlab.plan` for ``trainer.fit(module, datamodule)``: the cheapest change that makes
+    ``steps`` optimizer steps (as :func:`estimate` runs them) complete within ``budget`` bytes
+    (default as :func:`max_batch_size`'s), with the knobs of :func:`memlab.plan` except autocast (a
+    Lightning run's is its ``precision``): the optimizers' ``foreach`` off, the fewest of the
+    module's first blocks checkpointed, else micro-batches, which for Lightning are the batch size
+    (``batch_arg_name``, found as :func:`max_batch_size` finds it) divided by ``n`` and
+    ``accumulate_grad_batches`` multiplied by ``n`` (the same effective batch; ``n`` divides the
+    batch size). :attr:`memlab.plan.Plan.arguments` holds those values and :attr:`~memlab.plan.
+    Plan.code` says the change; ``plan.apply(module)`` checkpoints the blocks. Nothing of the user's
+    objects changes. The FLOPs are those of all ``steps`` steps (Lightning's loop runs them as one
+    call). ``ValueError`` for the autocast knob and what :func:`memlab.plan` rejects; what it cannot
+    see is what :func:`estimate` cannot."""
+    from memlab.plan.checkpointing import candidate_blocks, is_layer
+    from memlab.plan.planner import checkpointed, search_plan
+    from memlab.plan.settings import call_context
+
+    _check_objects(trainer, module)
+    knobs = tuple(knobs) if not isinstance(knobs, str) else knobs
+    if "autocast" in knobs:
+        raise ValueError(
+            "a Lightning run's autocast is its Trainer's precision='bf16-mixed': set it and plan again; "
+            "the knobs for Lightning are 'foreach', 'checkpointing', 'micro_batches'"
+        )
+    limit, _ = budget_in_bytes(budget, 0, _device(device), modelled_gpu(gpu))
+    blocks = candidate_blocks(module) if "checkpointing" in knobs else []
+    modules = [block for _, block in blocks]
+    skip, batch, owner, where = {}, None, None, "attribute"
+    try:
+        owner, where = _batch_size_owner(module, datamodule, batch_arg_name)
+        batch = owner.hparams[batch_arg_name] if where == "hparams" else getattr(owner, batch_arg_name)
+    except ValueError as error:
+        skip["micro_batches"] = str(error)
+    accumulate = trainer.accumulate_grad_batches
+
+    def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
+        flops: list[int] = []
+        split = settings.micro_batches
+        job, data, accumulating = module, datamodule, trainer
+        if split > 1:
+            resized = _with_batch_size(owner, where, batch_arg_name, batch // split)
+            job, data = (resized, datamodule) if owner is module else (module, resized)
+            accumulating = copy.copy(trainer)
+            accumulating.accumulate_grad_batches = accumulate * split
+        with checkpointed(modules[:count]):
+            run_steps, _ = _prepared(
+                accumulating, job, data, None, steps, device, gpu, call_context(settings, flops)
+            )
+            found = run_steps(None)
+            return found, flops[-1], found.under(limit)
+
+    found = search_plan(
+        run,
+        [name for name, _ in blocks],
+        limit,
+        layers=bool(blocks) and is_layer(blocks[0][1]),
+        knobs=knobs,
+        skip=skip,
+        batch=batch,
+    )
+    found.device_type, found.trainer = _device(device).type, "lightning"
+    if found.micro_batches > 1:
+        found.arguments = {
+            batch_arg_name: batch // found.micro_batches,
+            "accumulate_grad_batches": accumulate * found.micro_batches,
+        }
+    return found
+
+
 def _device(device: torch.device | str | None) -> torch.device:
     return parse_device("cuda" if device is None else device, name="device")
 
@@ -155,9 +237,11 @@ def _prepared(
     steps: int,
     device: torch.device | str | None,
     gpu: GpuLike | None,
+    call_context: Any = None,
 ) -> tuple[Any, Any]:
     """``(run, plan)``: ``run(capacity)`` estimates the steps (under a modelled allocator of
-    ``capacity`` bytes, or none), on batches drawn now."""
+    ``capacity`` bytes, or none), on batches drawn now; ``call_context`` as for
+    :func:`memlab.estimate.estimate.run_estimate` (the loop is one call)."""
     from memlab.integrations import _lightning_steps as loop
 
     _check_objects(trainer, module)
@@ -202,7 +286,9 @@ def _prepared(
         made.clear()
         with _rng_kept(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*self.log.*")
-            built = run_estimate(loop.fit_steps, arguments, target, capacity=capacity, gpu=modelled)
+            built = run_estimate(
+                loop.fit_steps, arguments, target, capacity=capacity, gpu=modelled, call_context=call_context
+            )
         if made and made[-1].optimizer_defaults:
             built.substituted["optimizer_foreach"] = made[-1].optimizer_defaults
         return built

@@ -336,7 +336,7 @@ def plan(
         batch=per_device,
     )
     found.device_type = target.type
-    found.arguments = {}
+    found.trainer = "transformers"
     if found.micro_batches > 1:
         found.arguments = {
             "per_device_train_batch_size": per_device // found.micro_batches,

@@ -35,9 +35,11 @@ class Plan:
     checkpointing fits, with none checkpointed); ``rejected``: why each knob tried or considered was
     not kept, by knob name; ``layers``: the blocks are Hugging Face layers, checkpointed with their
     own switch (:attr:`code` says how); ``device_type``: where the step's autocast runs;
-    ``arguments``: for a Hugging Face ``Trainer``'s plan
-    (:func:`memlab.integrations.transformers.plan`), the ``TrainingArguments`` fields its
-    micro-batches set (``{}`` without; ``None`` for a plan of a step).
+    ``trainer``: ``"transformers"`` or ``"lightning"`` for a trainer's plan
+    (:func:`memlab.integrations.transformers.plan`, :func:`memlab.integrations.lightning.plan`:
+    :attr:`code` in its terms), ``None`` for a step's; ``arguments``: for a trainer's plan with
+    micro-batches, the trainer's settings that make them (the batch size and the accumulation
+    steps, by name).
 
     :meth:`apply` checkpoints those modules of a model (the one ``plan`` was given, or one of the
     same structure) and sets the optimizers' ``foreach``; :meth:`remove` undoes it; :meth:`step`
@@ -62,7 +64,8 @@ class Plan:
         self.rejected: dict[str, str] = {}
         self.setting_tries: list[tuple[Settings, bool, int]] = []
         self.micro_batch_tries: list[tuple[int, bool, int]] = []
-        self.arguments: dict[str, int] | None = None
+        self.trainer: str | None = None
+        self.arguments: dict[str, int] = {}
         self.fits = fits
         self.layers = layers
         self.budget = budget
@@ -164,15 +167,16 @@ class Plan:
         ``optimizer`` and ``train_step`` name them)."""
         if not self.fits:
             return f"# {self._verdict()}"
-        trainer = self.arguments is not None  # a Trainer's plan: its model, optimizer and arguments
         parts = []
-        if trainer and self.checkpointed:
-            parts.append("model = trainer.model")
-        if trainer and self.settings.per_parameter:
+        if self.trainer and self.checkpointed:
+            parts.append("model = trainer.model" if self.trainer == "transformers" else "model = module")
+        if self.trainer == "transformers" and self.settings.per_parameter:
             parts.append(
                 "trainer.create_optimizer()  # the optimizer train() would make, made now\n"
                 "optimizer = trainer.optimizer"
             )
+        if self.trainer == "lightning" and self.settings.per_parameter:
+            parts.append("# in configure_optimizers: the optimizer made with foreach=False")
         if self.checkpointed:
             names = ", ".join(repr(name) for name in self.checkpointed)
             if self.layers:  # Hugging Face layers: their own switch, their KV cache dropped (memlab's helper)
@@ -188,7 +192,7 @@ class Plan:
                     "    block.forward = functools.partial(\n"
                     "        torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)"
                 )
-        if self.settings.per_parameter:
+        if self.settings.per_parameter and self.trainer != "lightning":
             parts.append(
                 "for group in optimizer.param_groups:  # per parameter, no multi-tensor kernels\n"
                 '    group["foreach"] = False'
@@ -201,10 +205,11 @@ class Plan:
             )
         if self.arguments:
             fields = ", ".join(f"{name}={value}" for name, value in self.arguments.items())
-            parts.append(
-                "# in the TrainingArguments the Trainer is built with (the same effective batch):\n"
-                f"#   {fields}"
-            )
+            where = {
+                "transformers": "in the TrainingArguments the Trainer is built with",
+                "lightning": "the batch size the dataloader reads, and the Trainer's argument",
+            }[self.trainer]
+            parts.append(f"# {where} (the same effective batch):\n#   {fields}")
         elif self.micro_batches > 1:
             parts.append(
                 f"# {self.micro_batches} micro-batches per batch, gradients accumulated, one optimizer step\n"

@@ -18,6 +18,7 @@ __all__ = [
     "MLP",
     "WIDE",
     "Data",
+    "Deep",
     "ItemMLP",
     "SetUpData",
     "make_trainer",
@@ -94,6 +95,22 @@ def peaks(estimate: memlab.Estimate) -> dict[str, int]:
 
 
 WIDE = 2048  # an input wide enough that the batch moves the large pool's segments
+
+
+class Deep(MLP):
+    """Six 1024-wide blocks (a linear layer and a GELU each) and a head of 4096 classes: the
+    activations and the logits matter."""
+
+    def __init__(self, batch_size: int = 1024) -> None:
+        super().__init__(batch_size=batch_size, width=1024, samples=2048)
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU()) for _ in range(6)]
+        self.net = torch.nn.Sequential(*blocks)
+        self.head = torch.nn.Linear(1024, 4096)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.head(self.net(x)), y)
 
 
 class ItemMLP(MLP):

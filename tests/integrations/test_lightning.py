@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import memlab
+from memlab.plan.checkpointing import is_checkpointed
 
 if importlib.util.find_spec("lightning") is None:  # found, not imported: see lightning_cases.py
     pytest.skip("needs lightning (pip install 'memlab[test]')", allow_module_level=True)
@@ -253,3 +254,36 @@ def test_a_plain_estimate_of_training_step_says_it_holds_the_forward_only(cases)
         "a LightningModule's training_step holds the forward only: the backward pass and the optimizer step "
         "are not in this estimate (memlab.integrations.lightning.estimate(trainer, module) runs them)"
     )
+
+
+@pytest.mark.parametrize(
+    ("budget", "checkpointed", "arguments"),
+    [
+        ("310 MiB", ["net.0", "net.1", "net.2", "net.3"], {}),
+        ("288 MiB", [], {"batch_size": 256, "accumulate_grad_batches": 4}),
+    ],
+    ids=["checkpointing", "micro-batches"],
+)
+def test_a_plan_fits_when_the_module_is_trained_as_it_says(cases, budget, checkpointed, arguments):
+    """Batches of 1024 need 326 MiB: 310 MiB are met by checkpointing 4 of the 6 blocks; 288 MiB
+    (checkpointing all 6 needs 290) by 4 micro-batches of 256, Lightning's own gradient
+    accumulation. Each is applied to a new module and trainer, whose real ``fit`` under the budget
+    has exactly the planned peaks; as it is, ``fit`` runs out of memory."""
+    module = cases.Deep()
+    found = cases.ml.plan(cases.make_trainer(accumulate=1), module, budget=budget, device="cpu", steps=3)
+    assert (found.fits, found.checkpointed, found.arguments) == (True, checkpointed, arguments)
+    assert found.baseline.peak_reserved == 326 * 2**20
+    assert module.batch_size == 1024 and not any(is_checkpointed(block) for block in module.net)
+    if arguments:
+        assert found.code == (
+            "# the batch size the dataloader reads, and the Trainer's argument (the same effective batch):\n"
+            "#   batch_size=256, accumulate_grad_batches=4"
+        )
+    planned = cases.Deep(batch_size=arguments.get("batch_size", 1024))
+    with found.apply(planned):
+        real = cases.tracked_fit(
+            planned, cases.make_trainer(accumulate=arguments.get("accumulate_grad_batches", 1)), budget
+        )
+    assert real == cases.peaks(found.estimate)
+    with pytest.raises(torch.OutOfMemoryError):
+        cases.tracked_fit(cases.Deep(), cases.make_trainer(accumulate=1), budget)
