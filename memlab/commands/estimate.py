@@ -316,6 +316,15 @@ def _plan(found: Any, batch_size: int) -> dict[str, Any]:
                 {"micro_batches": count, "fits": fits, "peak_reserved": peak}
                 for count, fits, peak in found.micro_batch_tries
             ),
+            *(
+                {
+                    "checkpointed": count,
+                    "micro_batches": found.micro_batches,
+                    "fits": fits,
+                    "peak_reserved": peak,
+                }
+                for count, fits, peak in found.combined_tries
+            ),
         ],
         "rejected": found.rejected,
         "trainer": trainer,

@@ -26,9 +26,10 @@ under the budget.
 Where no count of checkpointed blocks fits, the batch is split into micro-batches
 (:func:`memlab.plan.accumulation.accumulating`), none checkpointed: 2, then each larger count that
 divides the batch, while the peak falls, unless the parameters and optimizer state alone are over
-the budget (no micro-batch can go below them). Checkpointing comes first because its cost is
-counted (recomputed FLOPs); a micro-batch's cost is not in FLOPs (smaller kernels, every weight
-read once per micro-batch) and changes the training loop.
+the budget (no micro-batch can go below them). Where none fits either, the fewest blocks are
+searched again with the count of micro-batches that needed the least. Checkpointing comes first
+because its cost is counted (recomputed FLOPs); a micro-batch's cost is not in FLOPs (smaller
+kernels, every weight read once per micro-batch) and changes the training loop.
 
 Each checkpointed block runs its forward again in the backward pass (up to the last tensor the
 backward needs: PyTorch's non-reentrant checkpoint stops there): the plan's extra compute is the
@@ -94,7 +95,7 @@ def plan(
     the model among the arguments (the first ``torch.nn.Module``, positional or keyword); else, where
     no checkpointing fits, ``"micro_batches"``: the fewest micro-batches (equal slices of the batch
     along dimension 0, gradients accumulated, one optimizer step), which needs the optimizer among the
-    arguments. Nothing of the user's changes: the search checkpoints the model's blocks only while
+    arguments; where neither fits alone, both. Nothing of the user's changes: the search checkpoints the model's blocks only while
     each estimate copies them, and sets ``foreach`` on the copies.
 
     Returns a :class:`Plan`: whether it fits, what it changes (:attr:`Plan.settings`, the modules
@@ -105,8 +106,8 @@ def plan(
     an unknown knob, or a model with no blocks to checkpoint (with ``"checkpointing"``).
 
     What it cannot see: what an estimate cannot see (:func:`memlab.estimate`); sharding and optimizer
-    offload are not searched yet; checkpointing and micro-batches are not combined; the cost is in
-    FLOPs, not time (autocast makes a step faster on a GPU with bf16 tensor cores; per-parameter
+    offload are not searched yet; checkpointing and micro-batches are combined only where neither fits
+    alone (with the micro-batches that needed the least); the cost is in FLOPs, not time (autocast makes a step faster on a GPU with bf16 tensor cores; per-parameter
     optimizers and micro-batches add no FLOPs but launch more, smaller kernels and read every weight
     once per micro-batch). Each configuration tried costs an estimate of ``steps`` steps.
     """
@@ -305,7 +306,25 @@ def search_plan(
             _split(
                 found, lambda micro_batches: once(0, replace(settings, micro_batches=micro_batches)), batch
             )
+    if not found.fits and found.micro_batch_tries and "checkpointing" in knobs and names:
+        _combine(found, once, names, limit, layers)
     return found
+
+
+def _combine(
+    found: Plan, run: Callable[[int, Settings], Outcome], names: list[str], limit: int, layers: bool
+) -> None:
+    """Where neither checkpointing nor micro-batches fit alone: the least count of blocks checkpointed
+    with the count of micro-batches tried that needs the least (``found`` changed in place where it
+    fits or needs less than ``found``'s configuration)."""
+    micro_batches = min(found.micro_batch_tries, key=lambda tried: (tried[2], tried[0]))[0]
+    both = replace(found.settings, micro_batches=micro_batches)
+    combined = _checkpointing(lambda count: run(count, both), names, limit, layers)
+    found.combined_tries = [(micro_batches, *tried) for tried in combined.tried[1:]]  # 0: a micro-batch try
+    if combined.fits or combined.estimate.peak_reserved < found.estimate.peak_reserved:
+        found.fits, found.settings, found.checkpointed = combined.fits, both, combined.checkpointed
+        found.estimate = combined.estimate
+        found.recomputed_flops, found.baseline_flops = combined.recomputed_flops, combined.baseline_flops
 
 
 def _checkpointing(run: Callable[[int], Outcome], names: list[str], limit: int, layers: bool) -> Plan:

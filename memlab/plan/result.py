@@ -19,27 +19,28 @@ __all__ = ["Plan"]
 
 class Plan:
     """What :func:`plan` found. ``fits``: whether the step completes within :attr:`budget` with
-    :attr:`settings` (a :class:`~memlab.plan.settings.Settings`: bf16 autocast, optimizers per
-    parameter, micro-batches) and :attr:`checkpointed` (module names, in the model ``plan`` was
-    given) checkpointed; ``estimate``: the step's estimate under the plan, capped at the budget when
-    the plan fits (its ``peak_reserved`` is what a ``TensorTracker(capacity=budget)`` run of the
-    applied step reports); for a plan that does not fit, :attr:`settings`, :attr:`checkpointed` and
-    ``estimate`` are those of the configuration tried that needs the least (unbounded);
-    ``baseline``: the step's estimate as it is; ``recomputed_flops``: the FLOPs the checkpointed
-    blocks' forwards run again in one step (FlopCounterMode's ops), ``baseline_flops`` those of one
-    step with the plan's settings and nothing checkpointed (0 where nothing is checkpointed);
-    ``setting_tries``: each setting estimated before checkpointing, as ``(settings, fits, peak
-    reserved bytes of the unbounded run)``; ``tried``: each count of blocks checkpointed estimated
-    (with the settings kept), as ``(blocks checkpointed, fits, peak reserved bytes of the unbounded
-    run)``; ``micro_batch_tries``: each count of micro-batches estimated, likewise (only where no
-    checkpointing fits, with none checkpointed); ``rejected``: why each knob tried or considered was
-    not kept, by knob name; ``layers``: the blocks are Hugging Face layers, checkpointed with their
-    own switch (:attr:`code` says how); ``device_type``: where the step's autocast runs;
-    ``trainer``: ``"transformers"`` or ``"lightning"`` for a trainer's plan
+    :attr:`settings` (a :class:`~memlab.plan.settings.Settings`: bf16 autocast, optimizers per parameter,
+    micro-batches) and :attr:`checkpointed` (module names, in the model ``plan`` was given) checkpointed;
+    ``estimate``: the step's estimate under the plan, capped at the budget when the plan fits (its
+    ``peak_reserved`` is what a ``TensorTracker(capacity=budget)`` run of the applied step reports); for a
+    plan that does not fit, :attr:`settings`, :attr:`checkpointed` and ``estimate`` are those of the
+    configuration tried that needs the least (unbounded); ``baseline``: the step's estimate as it is;
+    ``recomputed_flops``: the FLOPs the checkpointed blocks' forwards run again in one step
+    (FlopCounterMode's ops), ``baseline_flops`` those of one step with the plan's settings and nothing
+    checkpointed (0 where nothing is checkpointed); ``setting_tries``: each setting estimated before
+    checkpointing, as ``(settings, fits, peak reserved bytes of the unbounded run)``; ``tried``: each
+    count of blocks checkpointed estimated (with the settings kept), as ``(blocks checkpointed, fits, peak
+    reserved bytes of the unbounded run)``; ``micro_batch_tries``: each count of micro-batches estimated,
+    likewise (only where no checkpointing fits, with none checkpointed); ``combined_tries``: each count of
+    blocks checkpointed estimated with micro-batches (only where neither fits alone), as ``(micro-batches,
+    blocks checkpointed, fits, peak reserved bytes of the unbounded run)``; ``rejected``: why each knob
+    tried or considered was not kept, by knob name; ``layers``: the blocks are Hugging Face layers,
+    checkpointed with their own switch (:attr:`code` says how); ``device_type``: where the step's autocast
+    runs; ``trainer``: ``"transformers"`` or ``"lightning"`` for a trainer's plan
     (:func:`memlab.integrations.transformers.plan`, :func:`memlab.integrations.lightning.plan`:
     :attr:`code` in its terms), ``None`` for a step's; ``arguments``: for a trainer's plan with
-    micro-batches, the trainer's settings that make them (the batch size and the accumulation
-    steps, by name).
+    micro-batches, the trainer's settings that make them (the batch size and the accumulation steps, by
+    name).
 
     :meth:`apply` checkpoints those modules of a model (the one ``plan`` was given, or one of the
     same structure) and sets the optimizers' ``foreach``; :meth:`remove` undoes it; :meth:`step`
@@ -64,6 +65,7 @@ class Plan:
         self.rejected: dict[str, str] = {}
         self.setting_tries: list[tuple[Settings, bool, int]] = []
         self.micro_batch_tries: list[tuple[int, bool, int]] = []
+        self.combined_tries: list[tuple[int, int, bool, int]] = []
         self.trainer: str | None = None
         self.arguments: dict[str, int] = {}
         self.fits = fits
@@ -276,4 +278,10 @@ class Plan:
                 lines.append(f"  {count:>18}  {'yes' if fits else 'no':>4}  {format_size(peak):>13}")
         elif self.why_not_micro_batches:
             lines.append(f"  micro-batches not tried: {self.why_not_micro_batches}")
+        for micro_batches, count, fits, peak in self.combined_tries:
+            verdict = "fits" if fits else "does not fit"
+            lines.append(
+                f"  tried {count} blocks checkpointed, {micro_batches} micro-batches: {verdict}, "
+                f"{format_size(peak)} reserved (unbounded)"
+            )
         return "\n".join(lines)

@@ -310,3 +310,34 @@ def test_checkpointing_twice_and_undoing_keeps_a_forward_of_the_users():
 def test_bad_input_is_a_clear_error(make, budget, error, message):
     with pytest.raises(error, match=message):
         memlab.plan(lambda *a: None, make(), budget=budget)
+
+
+def test_where_neither_fits_alone_checkpointing_and_micro_batches_together_fit_in_a_real_run():
+    """A batch of 4 x 512 tokens needs 178 MiB; under 100 MiB, checkpointing needs 114 MiB at least
+    and 4 micro-batches 104 MiB; 2 blocks checkpointed with 4 micro-batches fit, and a real run of
+    the applied plan has exactly its peaks, with 1 block fewer it runs out of memory."""
+
+    def small_job():
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters())
+        torch.manual_seed(1)
+        return model, optimizer, torch.randn(4, 512, 128)
+
+    found = memlab.plan(train_step, *small_job(), budget="100 MiB", steps=STEPS)
+    assert (found.fits, found.checkpointed, found.micro_batches) == (True, ["layers.0", "layers.1"], 4)
+    assert [(count, fits) for count, fits, _ in found.micro_batch_tries] == [(2, False), (4, False)]
+    assert found.combined_tries == [(4, 2, True, 98 * 2**20)]
+    assert repr(found).splitlines()[0] == (
+        "Plan for a budget of 100.00M: checkpoint 2 of 6 blocks (layers.0 to layers.1), split each batch "
+        "into 4 micro-batches (gradients accumulated, one optimizer step): "
+        f"+{found.extra_compute:.1%} compute"
+    )
+    assert found.code.endswith("train_step = accumulating(train_step, micro_batches=4)")
+    model, _, _ = job = small_job()
+    with found.apply(model):
+        real = tracked_steps(*job, capacity="100 MiB", step=found.step(train_step))
+    assert real == {"reserved": found.estimate.peak_reserved, "allocated": found.estimate.peak_allocated}
+    model, _, _ = job = small_job()
+    checkpoint([model.layers[0]])
+    with pytest.raises(torch.OutOfMemoryError):
+        tracked_steps(*job, capacity="100 MiB", step=accumulating(train_step, 4))
