@@ -84,33 +84,33 @@ def plan(
     **kwargs: Any,
 ) -> Plan:
     """The cheapest change that makes ``step(*args, **kwargs)`` (``steps`` calls in a row: the steady
-    state of a training loop) complete within ``budget`` (bytes or a size such as ``"16 GiB"``;
-    default: :func:`memlab.estimate.fit.default_budget` for ``cuda``: on a GPU machine what this
-    process's allocator can still get, else the modelled GPU's memory less the CUDA context's
-    allowance), on ``gpu`` (default: the GPU in use, else an H100), with the ``knobs`` (of
-    :data:`KNOBS`) tried in this order, each kept only where it lowers the peak: ``"autocast"``
-    (bf16 autocast around the whole step; not by default: it changes the numbers);
-    ``"foreach"`` (the optimizers step per parameter, ``foreach=False``: where any optimizer the step
-    can reach runs multi-tensor kernels); then ``"checkpointing"``: the fewest blocks to checkpoint of
-    the model among the arguments (the first ``torch.nn.Module``, positional or keyword); else, where
-    no checkpointing fits, ``"micro_batches"``: the fewest micro-batches (equal slices of the batch
-    along dimension 0, gradients accumulated, one optimizer step), which needs the optimizer among the
-    arguments; where neither fits alone, both. Nothing of the user's changes: the search checkpoints the model's blocks only while
-    each estimate copies them, and sets ``foreach`` on the copies.
+    state of a training loop) complete within ``budget`` (bytes or a size such as ``"16 GiB"``; default:
+    :func:`memlab.estimate.fit.default_budget` for ``cuda``: on a GPU machine what this process's
+    allocator can still get, else the modelled GPU's memory less the CUDA context's allowance), on ``gpu``
+    (default: the GPU in use, else an H100), with the ``knobs`` (of :data:`KNOBS`) tried in this order,
+    each kept only where it lowers the peak: ``"autocast"`` (bf16 autocast around the whole step; not by
+    default: it changes the numbers); ``"foreach"`` (the optimizers step per parameter, ``foreach=False``:
+    where any optimizer the step can reach runs multi-tensor kernels); then ``"checkpointing"``: the
+    fewest blocks to checkpoint of the model among the arguments (the first ``torch.nn.Module``,
+    positional or keyword); else, where no checkpointing fits, ``"micro_batches"``: the fewest
+    micro-batches (equal slices of the batch along dimension 0, gradients accumulated, one optimizer
+    step), which needs the optimizer among the arguments; where neither fits alone, both. Nothing of the
+    user's changes: the search checkpoints the model's blocks only while each estimate copies them, and
+    sets ``foreach`` on the copies.
 
-    Returns a :class:`Plan`: whether it fits, what it changes (:attr:`Plan.settings`, the modules
-    to checkpoint), why each knob tried was not kept (:attr:`Plan.rejected`), its estimate (exact
-    when applied with :meth:`Plan.apply` and :meth:`Plan.step`: peak bytes as the CUDA caching
-    allocator counts them), the recomputed FLOPs per step. ``TypeError`` when no ``torch.nn.Module``
-    is among the arguments or ``knobs`` is not a collection of names; ``ValueError`` for a bad budget,
-    an unknown knob, or a model with no blocks to checkpoint (with ``"checkpointing"``).
+    Returns a :class:`Plan`: whether it fits, what it changes (:attr:`Plan.settings`, the modules to
+    checkpoint), why each knob tried was not kept (:attr:`Plan.rejected`), its estimate (exact when
+    applied with :meth:`Plan.apply` and :meth:`Plan.step`: peak bytes as the CUDA caching allocator counts
+    them), the recomputed FLOPs per step. ``TypeError`` when no ``torch.nn.Module`` is among the arguments
+    or ``knobs`` is not a collection of names; ``ValueError`` for a bad budget, an unknown knob, or a
+    model with no blocks to checkpoint (with ``"checkpointing"``).
 
     What it cannot see: what an estimate cannot see (:func:`memlab.estimate`); sharding and optimizer
     offload are not searched yet; checkpointing and micro-batches are combined only where neither fits
-    alone (with the micro-batches that needed the least); the cost is in FLOPs, not time (autocast makes a step faster on a GPU with bf16 tensor cores; per-parameter
-    optimizers and micro-batches add no FLOPs but launch more, smaller kernels and read every weight
-    once per micro-batch). Each configuration tried costs an estimate of ``steps`` steps.
-    """
+    alone (with the micro-batches that needed the least); the cost is in FLOPs, not time (autocast makes a
+    step faster on a GPU with bf16 tensor cores; per-parameter optimizers and micro-batches add no FLOPs
+    but launch more, smaller kernels and read every weight once per micro-batch). Each configuration tried
+    costs an estimate of ``steps`` steps."""
     if not callable(step):
         raise TypeError(
             f"step must be callable (the training step to plan), got {type(step).__name__} {step!r:.80}"
