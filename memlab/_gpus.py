@@ -23,11 +23,17 @@ _MiB = 2**20
 class GPU:
     """A GPU as memlab models it: ``name``, ``capability`` (major, minor), ``total_memory`` (bytes,
     what ``torch.cuda.get_device_properties().total_memory`` reports; ``None`` when only the
-    compute capability was given)."""
+    compute capability was given); for a roofline of its time (:mod:`memlab.plan.flops`), its peak
+    dense FLOP/s in float32 (``fp32_flops``) and in 16-bit tensor-core matmuls with float32
+    accumulation (``tensor_flops``: bf16, or fp16 where the GPU has no bf16), and its memory
+    bandwidth in bytes per second (``bandwidth``); ``None`` where unknown."""
 
     name: str
     capability: tuple[int, int]
     total_memory: int | None
+    fp32_flops: float | None = None
+    tensor_flops: float | None = None
+    bandwidth: float | None = None
 
     @property
     def sm(self) -> str:
@@ -53,30 +59,34 @@ CONTEXT_ALLOWANCE = 512 * _MiB
 
 #: Per GPU name: compute capability and total memory (MiB as ``nvidia-smi`` lists it; H100 and H200
 #: as seen on this project's lent machines, the others as NVIDIA's data sheets give the memory, except
-#: where a comment names the ``nvidia-smi`` output it was read from).
+#: where a comment names the ``nvidia-smi`` output it was read from); then the roofline's peaks, from
+#: NVIDIA's data sheets (dense, without sparsity; the SXM board where there are several: "H100" is
+#: the H100 SXM5, whose PCIe board is slower): float32 and 16-bit tensor TFLOP/s, memory GB/s. Not
+#: given for the A10G (AWS's variant, whose data sheet is not public) and the B200.
+_T, _G = 1e12, 1e9
 GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
-        GPU("V100", (7, 0), 16_384 * _MiB),
+        GPU("V100", (7, 0), 16_384 * _MiB, 15.7 * _T, 125 * _T, 900 * _G),  # fp16 tensor cores: no bf16
         # Tesla V100-SXM2-32GB: 32 GB HBM2 (NVIDIA V100 data sheet); sm70 as the 16 GB V100.
-        GPU("V100-32GB", (7, 0), 32_768 * _MiB),
-        GPU("T4", (7, 5), 15_360 * _MiB),
-        GPU("A100", (8, 0), 81_920 * _MiB),
-        GPU("A100-40GB", (8, 0), 40_960 * _MiB),
+        GPU("V100-32GB", (7, 0), 32_768 * _MiB, 15.7 * _T, 125 * _T, 900 * _G),
+        GPU("T4", (7, 5), 15_360 * _MiB, 8.1 * _T, 65 * _T, 320 * _G),  # fp16 tensor cores: no bf16
+        GPU("A100", (8, 0), 81_920 * _MiB, 19.5 * _T, 312 * _T, 2039 * _G),
+        GPU("A100-40GB", (8, 0), 40_960 * _MiB, 19.5 * _T, 312 * _T, 1555 * _G),
         GPU("A10G", (8, 6), 23_028 * _MiB),
-        GPU("RTX3090", (8, 6), 24_576 * _MiB),
-        GPU("L4", (8, 9), 23_034 * _MiB),
-        GPU("L40S", (8, 9), 46_068 * _MiB),
-        GPU("RTX4090", (8, 9), 24_564 * _MiB),
-        GPU("H100", (9, 0), 81_559 * _MiB),
+        GPU("RTX3090", (8, 6), 24_576 * _MiB, 35.6 * _T, 71 * _T, 936 * _G),
+        GPU("L4", (8, 9), 23_034 * _MiB, 30.3 * _T, 121 * _T, 300 * _G),
+        GPU("L40S", (8, 9), 46_068 * _MiB, 91.6 * _T, 362.05 * _T, 864 * _G),
+        GPU("RTX4090", (8, 9), 24_564 * _MiB, 82.6 * _T, 165.2 * _T, 1008 * _G),
+        GPU("H100", (9, 0), 81_559 * _MiB, 67 * _T, 989.4 * _T, 3350 * _G),
         # H100 NVL: 94 GB HBM3, sm90 (NVIDIA H100 data sheet); "NVIDIA H100 NVL ... 95830MiB" in the
         # nvidia-smi output of several public bug reports and READMEs.
-        GPU("H100-NVL", (9, 0), 95_830 * _MiB),
+        GPU("H100-NVL", (9, 0), 95_830 * _MiB, 60 * _T, 835 * _T, 3900 * _G),
         # GH200 Grace Hopper superchip: a Hopper GPU (sm90) with 96 GB HBM3 (NVIDIA GH200 data sheet);
         # "NVIDIA GH200 480GB ... 97871MiB" (and "GH200 120GB ... 97871MiB") in public nvidia-smi
         # outputs. The 480GB / 120GB of its name are the Grace CPU's LPDDR5X, not the GPU's memory.
-        GPU("GH200", (9, 0), 97_871 * _MiB),
-        GPU("H200", (9, 0), 143_771 * _MiB),
+        GPU("GH200", (9, 0), 97_871 * _MiB, 67 * _T, 989.4 * _T, 4000 * _G),
+        GPU("H200", (9, 0), 143_771 * _MiB, 67 * _T, 989.4 * _T, 4800 * _G),
         GPU("B200", (10, 0), 183_359 * _MiB),
     )
 }
@@ -211,4 +221,9 @@ def _by_capability(capability: tuple[int, int], what: str) -> GPU:
 def _current_gpu() -> GPU:
     index = torch.cuda.current_device()
     properties = torch.cuda.get_device_properties(index)
-    return GPU(properties.name, (properties.major, properties.minor), properties.total_memory)
+    try:  # the roofline's peaks of the table's entry of that name, where it has one
+        known = _by_words([w for w in _WORD_SEPARATORS.split(properties.name.upper()) if w], "")
+        peaks = (known.fp32_flops, known.tensor_flops, known.bandwidth)
+    except ValueError:
+        peaks = (None, None, None)
+    return GPU(properties.name, (properties.major, properties.minor), properties.total_memory, *peaks)

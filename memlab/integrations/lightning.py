@@ -23,11 +23,12 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from memlab._devices import parse_device
-from memlab._gpus import GpuLike
+from memlab._gpus import GpuLike, resolve_gpu
 from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, budget_in_bytes, modelled_gpu, search_batch_size
 from memlab.integrations._lightning_callback import MemlabCallback
+from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
 from memlab.plan.settings import Settings
 
@@ -192,7 +193,7 @@ def plan(
     accumulate = trainer.accumulate_grad_batches
 
     def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
-        flops: list[int] = []
+        flops: list[Cost] = []
         split = settings.micro_batches
         job, data, accumulating = module, datamodule, trainer
         if split > 1:
@@ -202,7 +203,14 @@ def plan(
             accumulating.accumulate_grad_batches = accumulate * split
         with checkpointed(modules[:count]):
             run_steps, _ = _prepared(
-                accumulating, job, data, None, steps, device, gpu, call_context(settings, flops)
+                accumulating,
+                job,
+                data,
+                None,
+                steps,
+                device,
+                gpu,
+                call_context(settings, flops, resolve_gpu(gpu)),
             )
             found = run_steps(None)
             return found, flops[-1], found.under(limit)
@@ -215,6 +223,7 @@ def plan(
         knobs=knobs,
         skip=skip,
         batch=batch,
+        gpu=resolve_gpu(gpu),
     )
     found.device_type, found.trainer = _device(device).type, "lightning"
     if found.micro_batches > 1:

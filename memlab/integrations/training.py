@@ -28,6 +28,7 @@ from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer
+from memlab.plan.flops import Cost
 from memlab.plan.planner import search_plan
 from memlab.plan.result import Plan
 from memlab.plan.settings import AS_IT_IS, Settings, call_context
@@ -237,7 +238,7 @@ def _estimate(
     counted: ParameterCount,
     mesh: Any,
     checkpointed: int = 0,
-    flops: list[int] | None = None,
+    flops: list[Cost] | None = None,
     settings: Settings = AS_IT_IS,
 ) -> Estimate:
     """The estimate of ``setup.steps`` steps at ``batch_size``, capped at ``capacity`` bytes, with the
@@ -254,7 +255,7 @@ def _estimate(
         steps=setup.steps,
         capacity=capacity,
         gpu=setup.gpu,
-        call_context=None if flops is None else call_context(settings, flops),
+        call_context=None if flops is None else call_context(settings, flops, setup.gpu),
         stacks=False,  # the command prints no snapshot: peaks and categories need no stacks
     )
 
@@ -313,7 +314,7 @@ def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Pla
     with _job(recipe, setup) as mesh:
 
         def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
-            flops: list[int] = []
+            flops: list[Cost] = []
             found = _estimate(recipe, setup, setup.batch_size, None, counted, mesh, count, flops, settings)
             return found, flops[-1], found.under(budget)
 
@@ -324,4 +325,5 @@ def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Pla
             layers=is_layer(blocks[0][1]),
             knobs=("foreach", "checkpointing", "micro_batches"),
             batch=setup.batch_size,
+            gpu=setup.gpu,
         )

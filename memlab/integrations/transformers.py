@@ -22,6 +22,7 @@ from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
+from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
 from memlab.plan.settings import Settings
 
@@ -312,7 +313,7 @@ def plan(
     )
 
     def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
-        flops: list[int] = []
+        flops: list[Cost] = []
         split = settings.micro_batches
         with checkpointed(modules[:count]):
             found = _run(
@@ -322,7 +323,7 @@ def plan(
                 modelled,
                 batch_size=per_device // split if split > 1 else None,
                 accumulation=accumulation * split if split > 1 else None,
-                call_context=call_context(settings, flops),
+                call_context=call_context(settings, flops, modelled),
             )
             return found, flops[-1], found.under(limit)
 
@@ -334,6 +335,7 @@ def plan(
         knobs=knobs,
         skip=multi_tensor_skip([_optimizer_and_scheduler(trainer, 0)[0]], target),
         batch=per_device,
+        gpu=modelled,
     )
     found.device_type = target.type
     found.trainer = "transformers"

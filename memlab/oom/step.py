@@ -31,6 +31,7 @@ from memlab.sources.allocator.config import K_SMALL_BUFFER
 
 if TYPE_CHECKING:
     from memlab.estimate.result import Estimate
+    from memlab.plan.flops import Cost
 
 __all__ = [
     "REMEDY_STEPS",
@@ -270,7 +271,7 @@ def fp16_autocast_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
 
 
 def _checkpointing_first(
-    model: torch.nn.Module, names: list[str], flops: list[int] | None = None
+    model: torch.nn.Module, names: list[str], flops: list[Cost] | None = None
 ) -> CallContext:
     """The ``call_context`` that checkpoints the blocks ``names`` of the estimate's copy of ``model``
     before the first call (:func:`memlab.plan.checkpointing.checkpoint`: a Hugging Face layer with its
@@ -332,7 +333,7 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
         return call.args, call.kwargs
 
     def run(count: int, _: Any) -> tuple[Estimate, int, Estimate | None]:  # checkpointing only: no settings
-        flops: list[int] = []
+        flops: list[Cost] = []
         context = _checkpointing_first(model, names[:count], flops)
         unbounded = _peak(capture, start, call.func, make, None, call_context=context)
         within = completes_under(

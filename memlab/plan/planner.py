@@ -35,7 +35,9 @@ Each checkpointed block runs its forward again in the backward pass (up to the l
 backward needs: PyTorch's non-reentrant checkpoint stops there): the plan's extra compute is the
 recomputed FLOPs of one step, counted in the estimates the search runs anyway
 (:class:`memlab.plan.flops.FlopCount`: PyTorch's FLOP formulas for matmuls, convolutions and
-attention, the ops its ``FlopCounterMode`` counts).
+attention, the ops its ``FlopCounterMode`` counts), and its time on the modelled GPU by a roofline
+of each op (:mod:`memlab.plan.flops` says what a roofline cannot see): reported, not used to
+choose, since the knobs are tried in a fixed order.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from memlab._gpus import GpuLike, resolve_gpu
+from memlab._gpus import GPU, GpuLike, resolve_gpu
 from memlab._offload import interrupts_held
 from memlab._units import check_count, format_size
 from memlab.estimate.copies import named_objects
@@ -57,14 +59,16 @@ from memlab.estimate.fit import budget_in_bytes, modelled_gpu
 from memlab.history import categories
 from memlab.plan.accumulation import batch_size
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer, uncheckpoint
+from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
 from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
 __all__ = ["KNOBS", "checkpointed", "multi_tensor_skip", "plan", "search_plan"]
 
-Outcome = tuple[Estimate, int, "Estimate | None"]
-"""What a run of the step estimates: its unbounded estimate, the FLOPs of its last step, its
-estimate under the budget (``None`` where it runs out of memory there)."""
+Outcome = tuple[Estimate, Cost, "Estimate | None"]
+"""What a run of the step estimates: its unbounded estimate, the :class:`~memlab.plan.flops.Cost`
+(FLOPs, roofline seconds) of its last step, its estimate under the budget (``None`` where it runs
+out of memory there)."""
 
 
 KNOBS = ("autocast", "foreach", "checkpointing", "micro_batches")
@@ -101,16 +105,17 @@ def plan(
     Returns a :class:`Plan`: whether it fits, what it changes (:attr:`Plan.settings`, the modules to
     checkpoint), why each knob tried was not kept (:attr:`Plan.rejected`), its estimate (exact when
     applied with :meth:`Plan.apply` and :meth:`Plan.step`: peak bytes as the CUDA caching allocator counts
-    them), the recomputed FLOPs per step. ``TypeError`` when no ``torch.nn.Module`` is among the arguments
-    or ``knobs`` is not a collection of names; ``ValueError`` for a bad budget, an unknown knob, or a
-    model with no blocks to checkpoint (with ``"checkpointing"``).
+    them), the recomputed FLOPs per step and the roofline seconds of one step on ``gpu``. ``TypeError``
+    when no ``torch.nn.Module`` is among the arguments or ``knobs`` is not a collection of names;
+    ``ValueError`` for a bad budget, an unknown knob, or a model with no blocks to checkpoint (with
+    ``"checkpointing"``).
 
     What it cannot see: what an estimate cannot see (:func:`memlab.estimate`); sharding and optimizer
     offload are not searched yet; checkpointing and micro-batches are combined only where neither fits
-    alone (with the micro-batches that needed the least); the cost is in FLOPs, not time (autocast makes a
-    step faster on a GPU with bf16 tensor cores; per-parameter optimizers and micro-batches add no FLOPs
-    but launch more, smaller kernels and read every weight once per micro-batch). Each configuration tried
-    costs an estimate of ``steps`` steps."""
+    alone (with the micro-batches that needed the least); the cost is FLOPs and a roofline's time on
+    ``gpu`` (:attr:`Plan.extra_time`; not what launches many small kernels costs: micro-batches and
+    per-parameter optimizers are slower than it says), reported, not used to choose. Each configuration
+    tried costs an estimate of ``steps`` steps."""
     if not callable(step):
         raise TypeError(
             f"step must be callable (the training step to plan), got {type(step).__name__} {step!r:.80}"
@@ -141,7 +146,7 @@ def plan(
                 target,
                 steps=steps,
                 gpu=modelled,
-                call_context=call_context(settings, counted),
+                call_context=call_context(settings, counted, modelled),
             )
             return found, counted[-1], found.under(limit)
 
@@ -156,6 +161,7 @@ def plan(
         knobs=knobs,
         skip=skip,
         batch=batch_size(args, kwargs),
+        gpu=modelled,
     )
     found.device_type = target.type
     return found
@@ -267,6 +273,7 @@ def search_plan(
     knobs: Iterable[str] = ("checkpointing",),
     skip: dict[str, str] | None = None,
     batch: int | None = None,
+    gpu: GPU | None = None,
 ) -> Plan:
     """The cheapest :class:`Plan` within ``limit`` bytes with ``knobs`` (:data:`KNOBS`), searched
     as the module docstring says: the settings that add no FLOPs, then the least count of first
@@ -275,7 +282,8 @@ def search_plan(
     those :class:`~memlab.plan.settings.Settings`: its unbounded estimate, the FLOPs of its last
     step, and its estimate under a CUDA caching allocator capped at ``limit`` (``None`` where it
     runs out of memory there); each configuration is run once. ``skip``: the knobs not to try, with
-    why; ``layers``: the blocks are Hugging Face layers (see :attr:`Plan.code`)."""
+    why; ``layers``: the blocks are Hugging Face layers (see :attr:`Plan.code`); ``gpu``: the GPU
+    whose roofline ``run`` counts (its name is the plan's)."""
     knobs = _knobs(knobs)
     results: dict[tuple[int, Settings], Outcome] = {}
 
@@ -308,6 +316,9 @@ def search_plan(
             )
     if not found.fits and found.micro_batch_tries and "checkpointing" in knobs and names:
         _combine(found, once, names, limit, layers)
+    found.seconds = once(len(found.checkpointed), found.settings)[1].seconds
+    found.baseline_seconds = once(0, AS_IT_IS)[1].seconds
+    found.gpu = None if gpu is None else gpu.name
     return found
 
 
@@ -332,10 +343,10 @@ def _checkpointing(run: Callable[[int], Outcome], names: list[str], limit: int, 
     ``limit`` bytes; ``run(count)`` as :func:`search_plan`'s with the settings kept."""
     unbounded: dict[int, Estimate] = {}  # by blocks checkpointed, in the order tried
     fitted: dict[int, Estimate] = {}  # those that complete within the budget, capped at it
-    flops: dict[int, int] = {}  # one step's FLOPs (the last step's) by blocks checkpointed
+    costs: dict[int, Cost] = {}  # one step's cost (the last step's) by blocks checkpointed
 
     def fits(count: int) -> bool:
-        unbounded[count], flops[count], within = run(count)
+        unbounded[count], costs[count], within = run(count)
         if within is not None:
             fitted[count] = within
         return within is not None
@@ -355,8 +366,8 @@ def _checkpointing(run: Callable[[int], Outcome], names: list[str], limit: int, 
         checkpointed=names[: least if chosen is None else chosen],
         estimate=fitted[chosen] if chosen is not None else unbounded[least],
         baseline=unbounded[0],
-        recomputed_flops=flops[chosen] - flops[0] if chosen else 0,
-        baseline_flops=flops[0] if chosen else 0,
+        recomputed_flops=costs[chosen].flops - costs[0].flops if chosen else 0,
+        baseline_flops=costs[0].flops if chosen else 0,
         tried=[(count, count in fitted, found.peak_reserved) for count, found in unbounded.items()],
         layers=layers,
     )

@@ -67,6 +67,9 @@ class Plan:
         self.micro_batch_tries: list[tuple[int, bool, int]] = []
         self.combined_tries: list[tuple[int, int, bool, int]] = []
         self.trainer: str | None = None
+        self.seconds: float | None = None
+        self.baseline_seconds: float | None = None
+        self.gpu: str | None = None
         self.arguments: dict[str, int] = {}
         self.fits = fits
         self.layers = layers
@@ -90,6 +93,15 @@ class Plan:
     def why_not_micro_batches(self) -> str | None:
         """Why micro-batches were not tried, where they were needed and not tried."""
         return self.rejected.get("micro_batches")
+
+    @property
+    def extra_time(self) -> float | None:
+        """The plan's roofline time of one step over that of the step as it is, less 1 (0.0: as
+        fast; ``None`` where the GPU's peaks are not known): see :mod:`memlab.plan.flops` for what
+        a roofline cannot see."""
+        if self.seconds is None or not self.baseline_seconds:
+            return None
+        return self.seconds / self.baseline_seconds - 1
 
     @property
     def extra_compute(self) -> float:
@@ -250,7 +262,8 @@ class Plan:
             )
         if not changes:
             return "no change needed"
-        return f"{', '.join(changes)}: +{self.extra_compute:.1%} compute"
+        time = "" if self.extra_time is None else f", {self.extra_time:+.1%} time on {self.gpu} (roofline)"
+        return f"{', '.join(changes)}: +{self.extra_compute:.1%} compute{time}"
 
     def __repr__(self) -> str:
         lines = [

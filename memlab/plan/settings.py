@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from memlab._gpus import GPU
 from memlab.plan.accumulation import accumulating, wrap_step
-from memlab.plan.flops import counting
+from memlab.plan.flops import Cost, counting
 
 __all__ = ["AS_IT_IS", "Settings", "autocasting", "call_context", "per_parameter", "restore"]
 
@@ -103,12 +104,15 @@ def restore(saved: list[tuple[dict[str, Any], Any]]) -> None:
             group["foreach"] = value
 
 
-def call_context(settings: Settings, flops: list[int]) -> Callable[[Any, int], AbstractContextManager[None]]:
+def call_context(
+    settings: Settings, costs: list[Cost], gpu: GPU | None = None
+) -> Callable[[Any, int], AbstractContextManager[None]]:
     """The ``call_context`` of an estimate of a step with ``settings``
-    (:func:`memlab.estimate.estimate.run_estimate`): each call's FLOPs appended to ``flops``
-    (:func:`memlab.plan.flops.counting`) and, for per-parameter optimizers, the copied optimizers'
-    ``foreach`` off while it runs (the user's optimizers are not touched)."""
-    counted = counting(flops)
+    (:func:`memlab.estimate.estimate.run_estimate`): each call's :class:`~memlab.plan.flops.Cost` (FLOPs,
+    roofline seconds on ``gpu``) appended to ``costs`` (:func:`memlab.plan.flops.counting`) and, for
+    per-parameter optimizers, the copied optimizers' ``foreach`` off while it runs (the user's optimizers
+    are not touched)."""
+    counted = counting(costs, gpu)
 
     @contextmanager
     def context(copier: Any, index: int) -> Iterator[None]:
