@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from memlab.commands._command import Command, CommandError
 from memlab.commands.demo import DemoCommand
-from memlab.commands.estimate import EstimateCommand
+from memlab.commands.estimate import EstimateCommand, PlanCommand
 from memlab.commands.run import RunCommand
 from memlab.commands.viz import VizCommand
 
@@ -15,6 +15,7 @@ __all__ = ["COMMANDS", "Command", "CommandError"]
 COMMANDS: dict[str, type[Command]] = {
     "run": RunCommand,
     "estimate": EstimateCommand,
+    "plan": PlanCommand,
     "viz": VizCommand,
     "demo": DemoCommand,
 }

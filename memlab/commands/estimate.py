@@ -397,3 +397,19 @@ def _text(answer: dict[str, Any]) -> str:
         lines += [answer["plan"]["trainer"]] if answer["plan"]["trainer"] else []
     lines += [f"caveat: {caveat}" for caveat in answer["caveats"]]
     return "\n".join(lines) + "\n"
+
+
+class PlanCommand(EstimateCommand):
+    """``memlab plan CONFIG_OR_MODEL [options of memlab estimate]``: ``memlab estimate --plan``."""
+
+    help = "plan the cheapest change that makes a model's training steps fit a GPU (memlab estimate --plan)"
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        super().prepare_parser(parser)
+        parser.description = (
+            "memlab estimate CONFIG_OR_MODEL --plan: the estimate of the training steps of a model built "
+            "from its config, then the cheapest change that makes them fit the budget (the optimizer's "
+            "foreach off, the fewest blocks to checkpoint, else micro-batches), searched with estimates "
+            "as memlab.plan searches, with the code to paste and the trainer settings."
+        )
+        parser.set_defaults(plan=True)

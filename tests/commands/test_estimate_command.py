@@ -444,6 +444,15 @@ def test_plan_splits_the_batch_where_no_checkpointing_fits_as_memlab_plan_does(
     assert f"{found.code}\n{answer['trainer']}\ncaveat: " in capsys.readouterr().out
 
 
+def test_memlab_plan_is_memlab_estimate_with_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [LLAMA, "--batch-size", "64", "--seq-len", "64", "--steps", "2", "--budget", "130 MiB", "--json"]
+    assert main(["plan", *argv]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["estimate", *argv, "--plan"]) == 0
+    assert planned == json.loads(capsys.readouterr().out)
+    assert planned["plan"]["checkpointed"] == ["model.layers.0"]
+
+
 def test_plan_with_gradient_checkpointing(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_error(capsys, LLAMA, "--plan", "--gradient-checkpointing") == (
         "memlab estimate: error: --plan chooses the blocks to checkpoint: leave out --gradient-checkpointing "
