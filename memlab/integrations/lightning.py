@@ -29,6 +29,7 @@ from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, budget_in_bytes, modelled_gpu, search_batch_size
 from memlab.integrations._lightning_callback import MemlabCallback
 from memlab.plan.flops import Cost
+from memlab.plan.planner import DEFAULT_KNOBS
 from memlab.plan.result import Plan
 from memlab.plan.settings import Settings
 
@@ -156,7 +157,7 @@ def plan(
     steps: int = 2,
     device: torch.device | str | None = None,
     gpu: GpuLike | None = None,
-    knobs: Iterable[str] = ("foreach", "checkpointing", "micro_batches"),
+    knobs: Iterable[str] = DEFAULT_KNOBS,
 ) -> Plan:
     """:func:`memlab.plan` for ``trainer.fit(module, datamodule)``: the cheapest change that makes
     ``steps`` optimizer steps (as :func:`estimate` runs them) complete within ``budget`` bytes
@@ -201,7 +202,7 @@ def plan(
             job, data = (resized, datamodule) if owner is module else (module, resized)
             accumulating = copy.copy(trainer)
             accumulating.accumulate_grad_batches = accumulate * split
-        with checkpointed(modules[:count]):
+        with checkpointed(modules[:count], settings.selective):
             run_steps, _ = _prepared(
                 accumulating,
                 job,

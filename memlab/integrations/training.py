@@ -29,7 +29,7 @@ from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer
 from memlab.plan.flops import Cost
-from memlab.plan.planner import search_plan
+from memlab.plan.planner import DEFAULT_KNOBS, search_plan
 from memlab.plan.result import Plan
 from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
@@ -164,10 +164,11 @@ def _arguments(
     counted: ParameterCount,
     mesh: Any,
     checkpointed: int = 0,
+    selective: bool = False,
 ) -> Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]:
     """``make()`` for an estimate: the model built, its first ``checkpointed`` blocks
-    (:func:`memlab.plan.checkpointing.candidate_blocks`) checkpointed, wrapped, with its optimizer
-    and a batch."""
+    (:func:`memlab.plan.checkpointing.candidate_blocks`) checkpointed (``selective``: keeping the
+    matmuls' and attention's outputs), wrapped, with its optimizer and a batch."""
 
     def make() -> tuple[tuple[Any, ...], dict[str, Any]]:
         with torch.device(_device()):
@@ -175,7 +176,7 @@ def _arguments(
             counted.count(model)
             if setup.gradient_checkpointing:
                 recipe.enable_checkpointing(model)
-            checkpoint([module for _, module in candidate_blocks(model)[:checkpointed]])
+            checkpoint([module for _, module in candidate_blocks(model)[:checkpointed]], selective)
             model = _wrap(model, recipe, setup, mesh)
             optimizer = OPTIMIZERS[setup.optimizer](model.parameters())
             batch = recipe.batch(batch_size, setup.seq_len, setup.dtype)
@@ -250,7 +251,7 @@ def _estimate(
     functools.update_wrapper(step, training_step)
     return run_estimate(
         settings.step(step, "cuda"),
-        _arguments(recipe, setup, batch_size, counted, mesh, checkpointed),
+        _arguments(recipe, setup, batch_size, counted, mesh, checkpointed, settings.selective),
         torch.device("cuda"),
         steps=setup.steps,
         capacity=capacity,
@@ -323,7 +324,7 @@ def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Pla
             [name for name, _ in blocks],
             budget,
             layers=is_layer(blocks[0][1]),
-            knobs=("foreach", "checkpointing", "micro_batches"),
+            knobs=DEFAULT_KNOBS,
             batch=setup.batch_size,
             gpu=setup.gpu,
         )

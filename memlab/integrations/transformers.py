@@ -23,6 +23,7 @@ from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
 from memlab.plan.flops import Cost
+from memlab.plan.planner import DEFAULT_KNOBS
 from memlab.plan.result import Plan
 from memlab.plan.settings import Settings
 
@@ -276,7 +277,7 @@ def plan(
     steps: int = 2,
     device: torch.device | str | None = None,
     gpu: GpuLike | None = None,
-    knobs: Iterable[str] = ("foreach", "checkpointing", "micro_batches"),
+    knobs: Iterable[str] = DEFAULT_KNOBS,
 ) -> Plan:
     """:func:`memlab.plan` for a ``Trainer``: the cheapest change that makes ``steps`` optimizer steps
     of ``trainer.train()`` (as :func:`estimate` runs them) complete within ``budget`` bytes (default
@@ -315,7 +316,7 @@ def plan(
     def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
         flops: list[Cost] = []
         split = settings.micro_batches
-        with checkpointed(modules[:count]):
+        with checkpointed(modules[:count], settings.selective):
             found = _run(
                 trainer,
                 steps,

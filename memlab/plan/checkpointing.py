@@ -10,14 +10,24 @@ recomputed forward would append to the cache twice: ``CheckpointError``); any ot
 change: the class, the parameters' names, the ``state_dict`` and the hooks stay as they are, a
 ``copy.deepcopy`` of the model (an estimate's copies) is checkpointed the same way, and
 :func:`uncheckpoint` puts back exactly what was there.
+
+**Selective** checkpointing (``selective=True``) keeps, of what a block's forward saves, the
+outputs of the ops PyTorch's FLOP counter counts (matmuls, convolutions, attention:
+``torch.utils.flop_counter.flop_registry``) and recomputes the others
+(:func:`keep_matmuls`, through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``):
+its recompute runs no counted FLOPs, only the memory-bound ops between them (norms, activations,
+elementwise ops), and it frees less than checkpointing the whole block.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "Checkpointed",
@@ -26,23 +36,41 @@ __all__ = [
     "checkpoint",
     "is_checkpointed",
     "is_layer",
+    "keep_matmuls",
     "uncheckpoint",
 ]
 
 _NOTHING = object()  # the module had no forward of its own on the instance
 
 
-class Checkpointed:
-    """A module's ``forward`` run under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
-    ``forward``: the forward it wraps (the module's bound method); ``previous``: what the instance's
-    ``__dict__`` held under ``forward`` before (restored by :func:`uncheckpoint`)."""
+def keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The policy of selective checkpointing (``create_selective_checkpoint_contexts``): keep the
+    output of an op PyTorch's FLOP counter counts (``flop_registry``: matmuls, convolutions,
+    attention), recompute any other."""
+    if op._overloadpacket in flop_registry:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def __init__(self, forward: Any, previous: Any) -> None:
+
+_SELECTIVE = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)}
+
+
+class Checkpointed:
+    """A module's ``forward`` run under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+    (``selective``: with :func:`keep_matmuls`). ``forward``: the forward it wraps (the module's
+    bound method); ``previous``: what the instance's ``__dict__`` held under ``forward`` before
+    (restored by :func:`uncheckpoint`)."""
+
+    def __init__(self, forward: Any, previous: Any, selective: bool = False) -> None:
         self.forward = forward
         self.previous = previous
+        self.selective = selective
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        options = _SELECTIVE if self.selective else {}
+        return torch.utils.checkpoint.checkpoint(
+            self.forward, *args, use_reentrant=False, **options, **kwargs
+        )
 
 
 class LayerCheckpoint:
@@ -52,14 +80,16 @@ class LayerCheckpoint:
     it gets by keyword; this drops a cache passed by position too (GPT-2's model passes its
     ``past_key_values`` so, and leaves it out only when the whole model is checkpointed).
     ``previous``: the instance's own ``gradient_checkpointing`` and ``_gradient_checkpointing_func``
-    before."""
+    before; ``selective``: with :func:`keep_matmuls`."""
 
-    def __init__(self, previous: tuple[Any, Any]) -> None:
+    def __init__(self, previous: tuple[Any, Any], selective: bool = False) -> None:
         self.previous = previous
+        self.selective = selective
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         args = tuple(None if _is_cache(arg) else arg for arg in args)
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        options = _SELECTIVE if self.selective else {}
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **options, **kwargs)
 
 
 def _is_cache(value: Any) -> bool:
@@ -84,10 +114,11 @@ def is_checkpointed(module: torch.nn.Module) -> bool:
     )
 
 
-def checkpoint(modules: Iterable[torch.nn.Module]) -> None:
+def checkpoint(modules: Iterable[torch.nn.Module], selective: bool = False) -> None:
     """Checkpoint each of ``modules`` (already checkpointed ones are left as they are): a Hugging Face
     layer through its own switch (:class:`LayerCheckpoint`), any other module by its forward
-    (:class:`Checkpointed`)."""
+    (:class:`Checkpointed`); ``selective``: keeping the outputs of matmuls, convolutions and
+    attention (:func:`keep_matmuls`)."""
     for module in modules:
         if is_checkpointed(module):
             continue
@@ -97,11 +128,11 @@ def checkpoint(modules: Iterable[torch.nn.Module]) -> None:
                 own.get("gradient_checkpointing", _NOTHING),
                 own.get("_gradient_checkpointing_func", _NOTHING),
             )
-            module._gradient_checkpointing_func = LayerCheckpoint(previous)
+            module._gradient_checkpointing_func = LayerCheckpoint(previous, selective)
             module.gradient_checkpointing = True
         else:
             previous = module.__dict__.get("forward", _NOTHING)
-            module.forward = Checkpointed(module.forward, previous)  # type: ignore[method-assign]
+            module.forward = Checkpointed(module.forward, previous, selective)  # type: ignore[method-assign]
 
 
 def uncheckpoint(modules: Iterable[torch.nn.Module]) -> None:

@@ -23,6 +23,10 @@ checkpointed, 208 MiB with all 6), so "all blocks" is tried only when all but th
 fit. Whatever the assumptions, a plan that fits is the estimate of exactly that configuration
 under the budget.
 
+Before whole blocks, blocks checkpointed selectively (:func:`memlab.plan.checkpointing.
+keep_matmuls`: the outputs of matmuls, convolutions and attention kept, the ops between them run
+again: no FLOPs recomputed) are searched the same way, where checkpointing every block so fits.
+
 Where no count of checkpointed blocks fits, the batch is split into micro-batches
 (:func:`memlab.plan.accumulation.accumulating`), none checkpointed: 2, then each larger count that
 divides the batch, while the peak falls, unless the parameters and optimizer state alone are over
@@ -63,7 +67,7 @@ from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
 from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
-__all__ = ["KNOBS", "checkpointed", "multi_tensor_skip", "plan", "search_plan"]
+__all__ = ["DEFAULT_KNOBS", "KNOBS", "checkpointed", "multi_tensor_skip", "plan", "search_plan"]
 
 Outcome = tuple[Estimate, Cost, "Estimate | None"]
 """What a run of the step estimates: its unbounded estimate, the :class:`~memlab.plan.flops.Cost`
@@ -71,10 +75,15 @@ Outcome = tuple[Estimate, Cost, "Estimate | None"]
 out of memory there)."""
 
 
-KNOBS = ("autocast", "foreach", "checkpointing", "micro_batches")
+KNOBS = ("autocast", "foreach", "selective", "checkpointing", "micro_batches")
 """What :func:`plan` can change, cheapest first: bf16 autocast (less memory and less time, other
 numbers: tried only when asked for), the optimizers' ``foreach`` off (no extra FLOPs, more kernel
-launches), checkpointing blocks (recomputed FLOPs), micro-batches (smaller kernels, a changed loop)."""
+launches), checkpointing blocks selectively (the matmuls' and attention's outputs kept: no extra
+FLOPs, memory-bound ops run again), checkpointing whole blocks (recomputed FLOPs), micro-batches
+(smaller kernels, a changed loop)."""
+
+DEFAULT_KNOBS = ("foreach", "selective", "checkpointing", "micro_batches")
+"""The knobs a plan tries unless told otherwise: all but autocast, which changes the numbers."""
 
 
 def plan(
@@ -84,7 +93,7 @@ def plan(
     gpu: GpuLike | None = None,
     steps: int = 2,
     device: torch.device | str | None = None,
-    knobs: Iterable[str] = ("foreach", "checkpointing", "micro_batches"),
+    knobs: Iterable[str] = DEFAULT_KNOBS,
     **kwargs: Any,
 ) -> Plan:
     """The cheapest change that makes ``step(*args, **kwargs)`` (``steps`` calls in a row: the steady
@@ -94,13 +103,14 @@ def plan(
     (default: the GPU in use, else an H100), with the ``knobs`` (of :data:`KNOBS`) tried in this order,
     each kept only where it lowers the peak: ``"autocast"`` (bf16 autocast around the whole step; not by
     default: it changes the numbers); ``"foreach"`` (the optimizers step per parameter, ``foreach=False``:
-    where any optimizer the step can reach runs multi-tensor kernels); then ``"checkpointing"``: the
-    fewest blocks to checkpoint of the model among the arguments (the first ``torch.nn.Module``,
-    positional or keyword); else, where no checkpointing fits, ``"micro_batches"``: the fewest
-    micro-batches (equal slices of the batch along dimension 0, gradients accumulated, one optimizer
-    step), which needs the optimizer among the arguments; where neither fits alone, both. Nothing of the
-    user's changes: the search checkpoints the model's blocks only while each estimate copies them, and
-    sets ``foreach`` on the copies.
+    where any optimizer the step can reach runs multi-tensor kernels); ``"selective"``: the fewest blocks
+    to checkpoint selectively (:func:`memlab.plan.checkpointing.keep_matmuls`: no FLOPs recomputed), where
+    that fits with every block; then ``"checkpointing"``: the fewest blocks to checkpoint of the model
+    among the arguments (the first ``torch.nn.Module``, positional or keyword); else, where no
+    checkpointing fits, ``"micro_batches"``: the fewest micro-batches (equal slices of the batch along
+    dimension 0, gradients accumulated, one optimizer step), which needs the optimizer among the
+    arguments; where neither fits alone, both. Nothing of the user's changes: the search checkpoints the
+    model's blocks only while each estimate copies them, and sets ``foreach`` on the copies.
 
     Returns a :class:`Plan`: whether it fits, what it changes (:attr:`Plan.settings`, the modules to
     checkpoint), why each knob tried was not kept (:attr:`Plan.rejected`), its estimate (exact when
@@ -139,7 +149,7 @@ def plan(
 
     def run(count: int, settings: Settings) -> Outcome:
         counted: list[int] = []
-        with checkpointed(modules[:count]):  # a capped run estimates the step again, as checkpointed
+        with checkpointed(modules[:count], settings.selective):  # a capped run estimates it again, so
             found = run_estimate(
                 settings.step(step, target.type),
                 lambda: (args, kwargs),
@@ -288,6 +298,8 @@ def search_plan(
     results: dict[tuple[int, Settings], Outcome] = {}
 
     def once(count: int, settings: Settings) -> Outcome:
+        if count == 0 and settings.selective:  # nothing checkpointed: selective or not, the same run
+            settings = replace(settings, selective=False)
         if (count, settings) not in results:
             results[count, settings] = run(count, settings)
         return results[count, settings]
@@ -298,8 +310,21 @@ def search_plan(
     if once(0, settings)[2] is None:
         rejected.update((knob, why) for knob, why in skip.items() if knob in ("autocast", "foreach"))
         settings = _free_knobs(once, knobs, rejected)
+    if "selective" in knobs and names and once(0, settings)[2] is None:
+        selective = replace(settings, selective=True)
+        unbounded, _, within = once(len(names), selective)
+        if within is not None:
+            settings = selective
+        else:
+            needs = format_size(unbounded.peak_reserved)
+            rejected["selective"] = (
+                f"with every block checkpointed selectively the step needs {needs} reserved"
+            )
     found = _checkpointing(
-        lambda count: once(count, settings), names if "checkpointing" in knobs else [], limit, layers
+        lambda count: once(count, settings),
+        names if "checkpointing" in knobs or settings.selective else [],
+        limit,
+        layers,
     )
     found.baseline, found.settings, found.rejected = once(0, AS_IT_IS)[0], settings, rejected
     found.setting_tries = [
@@ -442,11 +467,11 @@ def _crossing(low: int, high: int, low_peak: int, high_peak: int, limit: int, mo
 
 
 @contextmanager
-def checkpointed(modules: list[torch.nn.Module]) -> Iterator[None]:
+def checkpointed(modules: list[torch.nn.Module], selective: bool = False) -> Iterator[None]:
     """``modules`` checkpointed (:func:`memlab.plan.checkpointing.checkpoint`) while the block runs (an
     estimate copies them so), then as before, also on an error or Ctrl-C."""
     with interrupts_held():
-        checkpoint(modules)
+        checkpoint(modules, selective)
     try:
         yield
     finally:

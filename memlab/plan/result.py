@@ -146,7 +146,7 @@ class Plan:
         chosen = [modules[name] for name in self.checkpointed]
         with interrupts_held():
             newly = [module for module in chosen if not is_checkpointed(module)]  # remove() undoes only these
-            checkpoint(newly)
+            checkpoint(newly, self.settings.selective)
             self._applied.extend(newly)
             if self.settings.per_parameter:
                 self._groups.extend(per_parameter(optimizers))
@@ -193,10 +193,11 @@ class Plan:
             parts.append("# in configure_optimizers: the optimizer made with foreach=False")
         if self.checkpointed:
             names = ", ".join(repr(name) for name in self.checkpointed)
-            if self.layers:  # Hugging Face layers: their own switch, their KV cache dropped (memlab's helper)
+            if self.layers or self.settings.selective:  # memlab's helper: a Hugging Face layer's own switch
+                selective = ", selective=True" if self.settings.selective else ""
                 parts.append(
                     "from memlab.plan.checkpointing import checkpoint\n"
-                    f"checkpoint([model.get_submodule(name) for name in [{names}]])"
+                    f"checkpoint([model.get_submodule(name) for name in [{names}]]{selective})"
                 )
             else:
                 parts.append(
@@ -238,7 +239,10 @@ class Plan:
             how = [
                 *settings.changes,
                 *(
-                    [f"{len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed"]
+                    [
+                        f"{len(self.checkpointed)} of {len(self.blocks)} blocks checkpointed"
+                        + (" selectively" if settings.selective else "")
+                    ]
                     if self.checkpointed
                     else []
                 ),
@@ -251,9 +255,10 @@ class Plan:
             )
         changes = settings.changes
         if self.checkpointed:
+            how = " selectively" if settings.selective else ""
+            first, last = self.checkpointed[0], self.checkpointed[-1]
             changes.append(
-                f"checkpoint {len(self.checkpointed)} of {len(self.blocks)} blocks ({self.checkpointed[0]} "
-                f"to {self.checkpointed[-1]})"
+                f"checkpoint {len(self.checkpointed)} of {len(self.blocks)} blocks{how} ({first} to {last})"
             )
         if settings.micro_batches > 1:
             changes.append(
@@ -282,7 +287,10 @@ class Plan:
         lines.extend(
             f"  {knob} not kept: {why}" for knob, why in self.rejected.items() if knob != "micro_batches"
         )
-        lines.append("  blocks checkpointed  fits  peak reserved (unbounded)")
+        lines.append(
+            "  blocks checkpointed  fits  peak reserved (unbounded)"
+            + ("  (selectively: matmul and attention outputs kept)" if self.settings.selective else "")
+        )
         for count, fits, peak in sorted(self.tried):
             lines.append(f"  {count:>18}  {'yes' if fits else 'no':>4}  {format_size(peak):>13}")
         if self.micro_batch_tries:

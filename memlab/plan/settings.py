@@ -39,11 +39,13 @@ _MISSING = object()
 class Settings:
     """How a step is run: ``autocast`` (bf16 autocast around the whole step), ``per_parameter``
     (the optimizers' ``foreach`` off), ``micro_batches`` (each batch split into that many equal
-    micro-batches, gradients accumulated)."""
+    micro-batches, gradients accumulated), ``selective`` (the blocks a plan checkpoints are
+    checkpointed selectively: :func:`memlab.plan.checkpointing.keep_matmuls`)."""
 
     autocast: bool = False
     per_parameter: bool = False
     micro_batches: int = 1
+    selective: bool = False
 
     def step(self, step: Callable[..., Any], device_type: str) -> Callable[..., Any]:
         """``step`` as these settings run it (autocast on ``device_type``, micro-batches); the

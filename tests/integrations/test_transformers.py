@@ -323,9 +323,10 @@ def test_a_trainers_method_given_to_memlab_estimate_names_the_integration(tmp_pa
 def test_a_plan_fits_when_the_trainer_is_built_and_trained_as_it_says(
     tmp_path, budget, checkpointed, arguments
 ):
-    """A batch of 16 needs 76 MiB: 73 MiB are met by checkpointing both GPT-2 blocks, 71 MiB only by
-    4 micro-batches of 4, as the trainer's own gradient accumulation. Each is applied to a new
-    trainer, whose real ``train()`` under the budget has exactly the planned peaks."""
+    """A batch of 16 needs 76 MiB: 73 MiB are met by checkpointing both GPT-2 blocks selectively (their
+    matmuls' and attention's outputs kept), 71 MiB only by 4 micro-batches of 4, as the trainer's own
+    gradient accumulation. Each is applied to a new trainer, whose real ``train()`` under the budget has
+    exactly the planned peaks."""
     trainer = make_trainer(tmp_path / "plan", batch_size=16, accumulation=1, max_steps=2)
     found = hf.plan(trainer, budget, steps=2, device="cpu")
     assert (found.fits, found.checkpointed, found.arguments) == (True, checkpointed, arguments)
@@ -342,8 +343,10 @@ def test_a_plan_fits_when_the_trainer_is_built_and_trained_as_it_says(
         assert found.code == (
             "model = trainer.model\n"
             "from memlab.plan.checkpointing import checkpoint\n"
-            "checkpoint([model.get_submodule(name) for name in ['transformer.h.0', 'transformer.h.1']])"
+            "checkpoint([model.get_submodule(name) for name in ['transformer.h.0', 'transformer.h.1']], "
+            "selective=True)"
         )
+        assert (found.settings.selective, found.recomputed_flops) == (True, 0)
     planned = make_trainer(tmp_path / "real", max_steps=2, **sizes)
     with found.apply(planned.model):
         real = tracked_training(planned, capacity=budget)

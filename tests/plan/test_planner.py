@@ -97,11 +97,13 @@ def test_one_block_fewer_does_not_fit_in_a_real_run(job, fitting):
 
 def test_the_plan_as_a_table(fitting):
     assert repr(fitting) == (
-        "Plan for a budget of 257.50M: checkpoint 4 of 6 blocks (layers.0 to layers.3): +22.5% compute\n"
+        "Plan for a budget of 257.50M: checkpoint 4 of 6 blocks (layers.0 to layers.3): +22.5% compute, "
+        f"{fitting.extra_time:+.1%} time on H100 (roofline)\n"
         "  as it is: 412.00M reserved at peak\n"
         "  planned:  236.00M reserved at peak (within the budget)\n"
         "  foreach not kept: no optimizer the step can reach runs multi-tensor kernels (foreach off or "
         "fused, or PyTorch's default on cpu)\n"
+        "  selective not kept: with every block checkpointed selectively the step needs 388.00M reserved\n"
         "  blocks checkpointed  fits  peak reserved (unbounded)\n"
         "                   0    no        412.00M\n"
         "                   4   yes        236.00M"
@@ -152,7 +154,7 @@ def test_a_budget_checkpointing_cannot_meet_splits_the_batch_and_fits_in_a_real_
     ]
     assert repr(found).splitlines()[0] == (
         "Plan for a budget of 160.00M: split each batch into 8 micro-batches (gradients accumulated, one "
-        "optimizer step): +0.0% compute"
+        f"optimizer step): +0.0% compute, {found.extra_time:+.1%} time on H100 (roofline)"
     )
     real = tracked_steps(model, optimizer, x, capacity="160 MiB", step=found.step(train_step))
     assert real == {"reserved": found.estimate.peak_reserved, "allocated": found.estimate.peak_allocated}
@@ -330,7 +332,7 @@ def test_where_neither_fits_alone_checkpointing_and_micro_batches_together_fit_i
     assert repr(found).splitlines()[0] == (
         "Plan for a budget of 100.00M: checkpoint 2 of 6 blocks (layers.0 to layers.1), split each batch "
         "into 4 micro-batches (gradients accumulated, one optimizer step): "
-        f"+{found.extra_compute:.1%} compute"
+        f"+{found.extra_compute:.1%} compute, {found.extra_time:+.1%} time on H100 (roofline)"
     )
     assert found.code.endswith("train_step = accumulating(train_step, micro_batches=4)")
     model, _, _ = job = small_job()

@@ -44,7 +44,8 @@ def test_optimizers_that_step_per_parameter_fit_where_their_multi_tensor_kernels
     assert found.baseline.peak_reserved == 706 * MIB
     assert found.setting_tries == [(Settings(per_parameter=True), True, 610 * MIB)]
     assert repr(found).splitlines()[0] == (
-        "Plan for a budget of 650.00M: optimizers step per parameter (foreach=False): +0.0% compute"
+        "Plan for a budget of 650.00M: optimizers step per parameter (foreach=False): +0.0% compute, "
+        f"{found.extra_time:+.1%} time on H100 (roofline)"
     )
     assert optimizer.param_groups[0]["foreach"] is True  # planning changed nothing of the user's
     with pytest.raises(torch.OutOfMemoryError):  # as it is, a real run does not fit
@@ -124,7 +125,11 @@ def test_bf16_autocast_is_tried_only_when_asked_for_and_fits_in_a_real_run():
     found = memlab.plan(train_step, *job, budget="300 MiB", steps=STEPS, knobs=("autocast", "checkpointing"))
     assert (found.fits, found.settings, found.checkpointed) == (True, Settings(autocast=True), [])
     assert (found.baseline.peak_reserved, found.estimate.peak_reserved) == (412 * MIB, 286 * MIB)
-    assert repr(found).splitlines()[0] == "Plan for a budget of 300.00M: bf16 autocast: +0.0% compute"
+    assert repr(found).splitlines()[0] == (
+        f"Plan for a budget of 300.00M: bf16 autocast: +0.0% compute, {found.extra_time:+.1%} time on H100 "
+        "(roofline)"
+    )
+    assert found.extra_time < -0.5  # bf16 on the tensor cores: under half the float32 step's time
     assert real(encoder_job(), "300 MiB", found.step(train_step)) == {
         "reserved": found.estimate.peak_reserved,
         "allocated": found.estimate.peak_allocated,
@@ -167,7 +172,8 @@ def test_autocast_and_checkpointing_together_fit_when_applied():
         (
             ["bf16"],
             ValueError,
-            "unknown knob 'bf16': the knobs are 'autocast', 'foreach', 'checkpointing', 'micro_batches'",
+            "unknown knob 'bf16': the knobs are 'autocast', 'foreach', 'selective', 'checkpointing', "
+            "'micro_batches'",
         ),
     ],
 )
