@@ -140,7 +140,7 @@ class EstimateCommand:
             "--plan",
             action="store_true",
             help="also plan the cheapest change for the steps to fit the budget: the optimizer's foreach "
-            "off, the fewest blocks to checkpoint, else micro-batches (memlab.plan)",
+            "off, the fewest blocks to checkpoint (selectively, then whole), else micro-batches (memlab.plan)",
         )
         parser.add_argument(
             "--json", action="store_true", help="print one JSON object (bytes) instead of text"
@@ -409,7 +409,8 @@ class PlanCommand(EstimateCommand):
         parser.description = (
             "memlab estimate CONFIG_OR_MODEL --plan: the estimate of the training steps of a model built "
             "from its config, then the cheapest change that makes them fit the budget (the optimizer's "
-            "foreach off, the fewest blocks to checkpoint, else micro-batches), searched with estimates "
+            "foreach off, the fewest blocks to checkpoint, selectively then whole, else micro-batches), "
+            "searched with estimates "
             "as memlab.plan searches, with the code to paste and the trainer settings."
         )
         parser.set_defaults(plan=True)
