@@ -140,7 +140,8 @@ class EstimateCommand:
             "--plan",
             action="store_true",
             help="also plan the cheapest change for the steps to fit the budget: the optimizer's foreach "
-            "off, the fewest blocks to checkpoint (selectively, then whole), else micro-batches (memlab.plan)",
+            "off, the fewest blocks to checkpoint (selectively, then whole), else micro-batches "
+            "(memlab.plan)",
         )
         parser.add_argument(
             "--json", action="store_true", help="print one JSON object (bytes) instead of text"
