@@ -29,8 +29,8 @@ from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, budget_in_bytes, modelled_gpu, search_batch_size
 from memlab.integrations._lightning_callback import MemlabCallback
 from memlab.plan.flops import Cost
-from memlab.plan.planner import DEFAULT_KNOBS
 from memlab.plan.result import Plan
+from memlab.plan.search import DEFAULT_KNOBS
 from memlab.plan.settings import Settings
 
 __all__ = ["MemlabCallback", "estimate", "max_batch_size", "plan"]
@@ -172,7 +172,7 @@ def plan(
     call). ``ValueError`` for the autocast knob and what :func:`memlab.plan` rejects; what it cannot
     see is what :func:`estimate` cannot."""
     from memlab.plan.checkpointing import candidate_blocks, is_layer
-    from memlab.plan.planner import checkpointed, search_plan
+    from memlab.plan.search import checkpointed, search_plan
     from memlab.plan.settings import call_context
 
     _check_objects(trainer, module)
@@ -183,7 +183,7 @@ def plan(
             "the knobs for Lightning are 'foreach', 'checkpointing', 'micro_batches'"
         )
     limit, _ = budget_in_bytes(budget, 0, _device(device), modelled_gpu(gpu))
-    blocks = candidate_blocks(module) if "checkpointing" in knobs else []
+    blocks = candidate_blocks(module) if {"selective", "checkpointing"} & set(knobs) else []
     modules = [block for _, block in blocks]
     skip, batch, owner, where = {}, None, None, "attribute"
     try:

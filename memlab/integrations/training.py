@@ -29,8 +29,8 @@ from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
 from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer
 from memlab.plan.flops import Cost
-from memlab.plan.planner import DEFAULT_KNOBS, search_plan
 from memlab.plan.result import Plan
+from memlab.plan.search import DEFAULT_KNOBS, search_plan
 from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
 __all__ = [

@@ -23,8 +23,8 @@ from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
 from memlab.plan.flops import Cost
-from memlab.plan.planner import DEFAULT_KNOBS
 from memlab.plan.result import Plan
+from memlab.plan.search import DEFAULT_KNOBS
 from memlab.plan.settings import Settings
 
 __all__ = ["MemlabCallback", "TrainerBatchFit", "estimate", "max_batch_size", "plan"]
@@ -292,7 +292,7 @@ def plan(
     and what :func:`memlab.plan` rejects; what it cannot see is what :func:`estimate` cannot."""
     from memlab.estimate.fit import budget_in_bytes, modelled_gpu
     from memlab.plan.checkpointing import candidate_blocks, is_layer
-    from memlab.plan.planner import checkpointed, multi_tensor_skip, search_plan
+    from memlab.plan.search import checkpointed, multi_tensor_skip, search_plan
     from memlab.plan.settings import call_context
 
     _check_trainer(trainer)
@@ -306,7 +306,7 @@ def plan(
     modelled = modelled_gpu(gpu)
     target = _device(device)
     limit, _ = budget_in_bytes(budget, 0, target, modelled)
-    blocks = candidate_blocks(trainer.model) if "checkpointing" in knobs else []
+    blocks = candidate_blocks(trainer.model) if {"selective", "checkpointing"} & set(knobs) else []
     modules = [module for _, module in blocks]
     per_device, accumulation = (
         trainer.args.per_device_train_batch_size,

@@ -309,7 +309,7 @@ def _step_model(call: Any) -> torch.nn.Module | None:
 def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     """The fewest of the step's model's blocks (:func:`memlab.plan.checkpointing.candidate_blocks`)
     to checkpoint for the failing step to fit, from the state at the failure: the search
-    :func:`memlab.plan` makes (:func:`memlab.plan.planner.search_plan`), with a fit decided under
+    :func:`memlab.plan` makes (:func:`memlab.plan.search.search_plan`), with a fit decided under
     the capacity less :data:`SPARE` bytes where that state is known, so the remedy and a plan never
     disagree. The remedy's peak is that of the chosen count estimated as every step remedy is
     (:func:`step_fit`); where no count fits, that of the count that needs the least. ``None``
@@ -317,7 +317,7 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     why (:func:`memlab.oom.postmortem.build_report`)."""
     from memlab.estimate.capped import completes_under
     from memlab.plan.checkpointing import candidate_blocks, is_layer
-    from memlab.plan.planner import search_plan
+    from memlab.plan.search import search_plan
 
     call = capture.call
     if call is None or capture.capacity <= 0:
