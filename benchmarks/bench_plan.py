@@ -4,8 +4,10 @@ For each model (a Hugging Face ``LlamaForCausalLM`` from a config, random weight
 downloaded): the step's estimate as it is, then a plan for budgets of 80 % and 60 % of it (and,
 with ``--exhaustive``, every count of checkpointed blocks estimated one by one, to check that the
 plan's choice is the least count that fits). Wall-clock and CPU seconds of each ``plan`` call
-(``time.perf_counter``, ``time.process_time``), the number of estimates it ran, its choice and the
-extra compute it reports. One torch thread. Issue 28's goal: a 32-layer Llama-style config (small
+(``time.perf_counter``, ``time.process_time``), the configurations it estimated (a capped rerun
+not counted), its verdict (its choice, the extra FLOPs and roofline time it reports) and, with
+``--exhaustive``, the least count of blocks that fits checkpointed as the plan checkpoints them
+(selectively or whole). One torch thread. Issue 28's goal: a 32-layer Llama-style config (small
 width) plans in under 10 s on this machine.
 Run: ``PYTHONPATH=. python benchmarks/bench_plan.py [--exhaustive]`` from the repository root.
 """
@@ -44,11 +46,12 @@ def make(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tenso
     return model, torch.optim.AdamW(model.parameters()), torch.randint(0, VOCAB, (8, 512))
 
 
-def exhaustive(model, optimizer, tokens, budget: int) -> int | None:
-    """The least count of first blocks checkpointed whose step fits ``budget``, trying every count."""
+def exhaustive(model, optimizer, tokens, budget: int, selective: bool) -> int | None:
+    """The least count of first blocks checkpointed (``selective``: selectively, as the plan chose)
+    whose step fits ``budget``, trying every count."""
     blocks = [module for _, module in candidate_blocks(model)]
     for count in range(len(blocks) + 1):
-        checkpoint(blocks[:count])
+        checkpoint(blocks[:count], selective)
         try:
             if memlab.estimate(train_step, model, optimizer, tokens, steps=2).fits(budget):
                 return count
@@ -79,12 +82,12 @@ def main() -> None:
             found = memlab.plan(train_step, model, optimizer, tokens, budget=budget, steps=2)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             line = (
-                f"  budget {share:.0%}: {wall:.1f} s wall, {cpu:.1f} s CPU, {len(found.tried)} tried; "
-                f"{'fits' if found.fits else 'does not fit'} with {len(found.checkpointed)} of "
-                f"{len(found.blocks)} blocks checkpointed, +{found.extra_compute:.1%} compute"
+                f"  budget {share:.0%}: {wall:.1f} s wall, {cpu:.1f} s CPU, {found.estimated} estimated; "
+                f"{repr(found).splitlines()[0].split(': ', 1)[1]}"
             )
             if options.exhaustive:
-                line += f"; exhaustive search: {exhaustive(model, optimizer, tokens, budget)}"
+                least = exhaustive(model, optimizer, tokens, budget, found.settings.selective)
+                line += f"; exhaustive search: {least}"
             print(line, flush=True)
 
 

@@ -328,6 +328,7 @@ def _plan(found: Any, batch_size: int) -> dict[str, Any]:
             ),
         ],
         "rejected": found.rejected,
+        "estimated": found.estimated,
         "trainer": trainer,
         "text": repr(found),
         "code": found.code,

@@ -40,7 +40,9 @@ class Plan:
     (:func:`memlab.integrations.transformers.plan`, :func:`memlab.integrations.lightning.plan`:
     :attr:`code` in its terms), ``None`` for a step's; ``arguments``: for a trainer's plan with
     micro-batches, the trainer's settings that make them (the batch size and the accumulation steps, by
-    name).
+    name); ``seconds``, ``baseline_seconds``: one step's roofline time on ``gpu`` (a name) with the
+    plan and as it is (:attr:`extra_time`); ``estimated``: how many configurations the search
+    estimated.
 
     :meth:`apply` checkpoints those modules of a model (the one ``plan`` was given, or one of the
     same structure) and sets the optimizers' ``foreach``; :meth:`remove` undoes it; :meth:`step`
@@ -70,6 +72,7 @@ class Plan:
         self.seconds: float | None = None
         self.baseline_seconds: float | None = None
         self.gpu: str | None = None
+        self.estimated = 0  # the configurations the search estimated (a capped rerun not counted)
         self.arguments: dict[str, int] = {}
         self.fits = fits
         self.layers = layers

@@ -254,6 +254,7 @@ def search_plan(
     found.seconds = once(len(found.checkpointed), found.settings)[1].seconds
     found.baseline_seconds = once(0, AS_IT_IS)[1].seconds
     found.gpu = None if gpu is None else gpu.name
+    found.estimated = len(results)
     return found
 
 

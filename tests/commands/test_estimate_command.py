@@ -400,6 +400,7 @@ def test_plan_equals_memlab_plan_of_the_model_built_from_the_config(
             "reserved, 154.00M without",
             "selective": "with every block checkpointed selectively the step needs 148.00M reserved",
         },
+        "estimated": found.estimated,
         "trainer": None,
         "text": repr(found),
         "code": found.code,
