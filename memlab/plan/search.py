@@ -230,11 +230,16 @@ def search_plan(
             rejected["selective"] = (
                 f"with every block checkpointed selectively the step needs {needs} reserved"
             )
+    savings = None  # selectively: the blocks free equal shares of what all of them free
+    if settings.selective:
+        freed = once(0, settings)[0].peak_reserved - once(len(names), settings)[0].peak_reserved
+        savings = [max(freed, 0) // len(names)] * len(names)
     found = _checkpointing(
         lambda count: once(count, settings),
         names if "checkpointing" in knobs or settings.selective else [],
         limit,
         layers,
+        savings,
     )
     found.baseline, found.settings, found.rejected = once(0, AS_IT_IS)[0], settings, rejected
     found.setting_tries = [
@@ -274,9 +279,16 @@ def _combine(
         found.recomputed_flops, found.baseline_flops = combined.recomputed_flops, combined.baseline_flops
 
 
-def _checkpointing(run: Callable[[int], Outcome], names: list[str], limit: int, layers: bool) -> Plan:
+def _checkpointing(
+    run: Callable[[int], Outcome],
+    names: list[str],
+    limit: int,
+    layers: bool,
+    savings: list[int] | None = None,
+) -> Plan:
     """The :class:`Plan` of the least count of first blocks (``names``) checkpointed whose step fits
-    ``limit`` bytes; ``run(count)`` as :func:`search_plan`'s with the settings kept."""
+    ``limit`` bytes; ``run(count)`` as :func:`search_plan`'s with the settings kept. ``savings``: the
+    bytes each block is expected to free (default: its saved activations, :func:`_savings`)."""
     unbounded: dict[int, Estimate] = {}  # by blocks checkpointed, in the order tried
     fitted: dict[int, Estimate] = {}  # those that complete within the budget, capped at it
     costs: dict[int, Cost] = {}  # one step's cost (the last step's) by blocks checkpointed
@@ -291,7 +303,9 @@ def _checkpointing(run: Callable[[int], Outcome], names: list[str], limit: int, 
     if fits(0):
         chosen: int | None = 0
     else:
-        chosen = _search(fits, unbounded, _savings(unbounded, names), most, limit) if names else None
+        if savings is None and names:
+            savings = _savings(unbounded, names)
+        chosen = _search(fits, unbounded, savings, most, limit) if names else None
     if chosen is None and 0 < most < len(names) and fits(len(names)):
         chosen = len(names)
     least = min(unbounded, key=lambda count: (unbounded[count].peak_reserved, count))
