@@ -241,6 +241,8 @@ def search_plan(
         layers,
         savings,
     )
+    if settings.selective and "checkpointing" in knobs and once(0, AS_IT_IS)[1].seconds is not None:
+        found, settings = _faster(found, settings, once, names, limit, layers, rejected)
     found.baseline, found.settings, found.rejected = once(0, AS_IT_IS)[0], settings, rejected
     found.setting_tries = [
         (tried, within is not None, unbounded.peak_reserved)
@@ -277,6 +279,40 @@ def _combine(
         found.fits, found.settings, found.checkpointed = combined.fits, both, combined.checkpointed
         found.estimate = combined.estimate
         found.recomputed_flops, found.baseline_flops = combined.recomputed_flops, combined.baseline_flops
+
+
+def _faster(
+    selective: Plan,
+    settings: Settings,
+    run: Callable[[int, Settings], Outcome],
+    names: list[str],
+    limit: int,
+    layers: bool,
+    rejected: dict[str, str],
+) -> tuple[Plan, Settings]:
+    """Of the fewest blocks checkpointed selectively (``selective``, with ``settings``) and the fewest
+    checkpointed whole, the one whose step takes less time by the roofline (selectively on a tie:
+    it recomputes no FLOPs), and its settings; why the other was not kept goes into ``rejected``.
+    Selectively, fewer FLOPs run again but more memory-bound ops, and more blocks are needed."""
+    whole_settings = replace(settings, selective=False)
+    whole = _checkpointing(lambda count: run(count, whole_settings), names, limit, layers)
+    if not whole.fits:
+        rejected["checkpointing"] = "whole blocks do not fit where blocks checkpointed selectively do"
+        return selective, settings
+    base = run(0, AS_IT_IS)[1].seconds or 1.0
+    times = {
+        key: (run(len(plan.checkpointed), chosen)[1].seconds or 0.0) / base - 1
+        for key, plan, chosen in (("selective", selective, settings), ("whole", whole, whole_settings))
+    }
+    said = (
+        f"{len(selective.checkpointed)} blocks checkpointed selectively take {times['selective']:+.1%} time "
+        f"by the roofline, {len(whole.checkpointed)} whole blocks {times['whole']:+.1%}"
+    )
+    if times["whole"] < times["selective"]:
+        rejected["selective"] = said
+        return whole, whole_settings
+    rejected["checkpointing"] = said
+    return selective, settings
 
 
 def _checkpointing(
