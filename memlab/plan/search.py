@@ -305,14 +305,18 @@ def _faster(
         for key, plan, chosen in (("selective", selective, settings), ("whole", whole, whole_settings))
     }
     said = (
-        f"{len(selective.checkpointed)} blocks checkpointed selectively take {times['selective']:+.1%} time "
-        f"by the roofline, {len(whole.checkpointed)} whole blocks {times['whole']:+.1%}"
+        f"{_blocks(len(selective.checkpointed))} checkpointed selectively: {times['selective']:+.1%} time by "
+        f"the roofline; {_blocks(len(whole.checkpointed))} checkpointed whole: {times['whole']:+.1%}"
     )
     if times["whole"] < times["selective"]:
         rejected["selective"] = said
         return whole, whole_settings
     rejected["checkpointing"] = said
     return selective, settings
+
+
+def _blocks(count: int) -> str:
+    return f"{count} block" if count == 1 else f"{count} blocks"
 
 
 def _checkpointing(

@@ -87,3 +87,17 @@ def test_where_selective_checkpointing_of_every_block_does_not_fit_whole_blocks_
         == "with every block checkpointed selectively the step needs 166.00M reserved"
     )
     assert found.recomputed_flops > 0
+
+
+def test_of_selective_and_whole_blocks_that_fit_the_plan_takes_the_faster_by_the_roofline():
+    """Under 168 MiB, 4 blocks selectively or 2 whole blocks fit; by the H100's roofline the selective
+    plan is faster (it runs no matmul again), and the whole-block plan, planned alone, says so."""
+    found = memlab.plan(train_step, *job(), budget="168 MiB", steps=STEPS)
+    whole = memlab.plan(train_step, *job(), budget="168 MiB", steps=STEPS, knobs=("checkpointing",))
+    assert (len(found.checkpointed), found.settings.selective) == (4, True)
+    assert (len(whole.checkpointed), whole.settings.selective, whole.fits) == (2, False, True)
+    assert found.extra_time < whole.extra_time
+    assert found.rejected["checkpointing"] == (
+        f"4 blocks checkpointed selectively: {found.extra_time:+.1%} time by the roofline; 2 blocks "
+        f"checkpointed whole: {whole.extra_time:+.1%}"
+    )
