@@ -71,7 +71,8 @@ def plan(
     offload are not searched yet; checkpointing and micro-batches are combined only where neither fits
     alone (with the micro-batches that needed the least); the cost is FLOPs and a roofline's time on
     ``gpu`` (:attr:`Plan.extra_time`; not what launches many small kernels costs: micro-batches and
-    per-parameter optimizers are slower than it says), reported, not used to choose. Each configuration
+    per-parameter optimizers are slower than it says), which chooses between selective and whole-block
+    checkpointing where both fit; the other knobs are tried in their fixed order. Each configuration
     tried costs an estimate of ``steps`` steps."""
     if not callable(step):
         raise TypeError(

@@ -41,8 +41,9 @@ backward needs: PyTorch's non-reentrant checkpoint stops there): the plan's extr
 recomputed FLOPs of one step, counted in the estimates the search runs anyway
 (:class:`memlab.plan.flops.FlopCount`: PyTorch's FLOP formulas for matmuls, convolutions and
 attention, the ops its ``FlopCounterMode`` counts), and its time on the modelled GPU by a roofline
-of each op (:mod:`memlab.plan.flops` says what a roofline cannot see): reported, not used to
-choose, since the knobs are tried in a fixed order.
+of each op (:mod:`memlab.plan.flops` says what a roofline cannot see). Where blocks checkpointed
+selectively and whole blocks both fit, the roofline's time chooses between them (:func:`_faster`);
+the other knobs are tried in a fixed order.
 """
 
 from __future__ import annotations
