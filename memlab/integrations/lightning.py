@@ -171,7 +171,7 @@ def plan(
     objects changes. The FLOPs are those of all ``steps`` steps (Lightning's loop runs them as one
     call). ``ValueError`` for the autocast knob and what :func:`memlab.plan` rejects; what it cannot
     see is what :func:`estimate` cannot."""
-    from memlab.plan.checkpointing import candidate_blocks, is_layer
+    from memlab.plan.checkpointing import candidate_blocks
     from memlab.plan.search import checkpointed, search_plan
     from memlab.plan.settings import call_context
 
@@ -218,9 +218,8 @@ def plan(
 
     found = search_plan(
         run,
-        [name for name, _ in blocks],
+        blocks,
         limit,
-        layers=bool(blocks) and is_layer(blocks[0][1]),
         knobs=knobs,
         skip=skip,
         batch=batch,

@@ -27,7 +27,7 @@ from memlab._units import check_count
 from memlab.estimate.estimate import Estimate, run_estimate
 from memlab.estimate.fit import BatchFit, search_batch_size
 from memlab.integrations.models import ModelRecipe
-from memlab.plan.checkpointing import candidate_blocks, checkpoint, is_layer
+from memlab.plan.checkpointing import candidate_blocks, checkpoint
 from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
 from memlab.plan.search import DEFAULT_KNOBS, search_plan
@@ -321,9 +321,8 @@ def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Pla
 
         return search_plan(
             run,
-            [name for name, _ in blocks],
+            blocks,
             budget,
-            layers=is_layer(blocks[0][1]),
             knobs=DEFAULT_KNOBS,
             batch=setup.batch_size,
             gpu=setup.gpu,

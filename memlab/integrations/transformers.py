@@ -291,7 +291,7 @@ def plan(
     (before ``train()``). Nothing of the user's trainer changes. ``ValueError`` for the autocast knob
     and what :func:`memlab.plan` rejects; what it cannot see is what :func:`estimate` cannot."""
     from memlab.estimate.fit import budget_in_bytes, modelled_gpu
-    from memlab.plan.checkpointing import candidate_blocks, is_layer
+    from memlab.plan.checkpointing import candidate_blocks
     from memlab.plan.search import checkpointed, multi_tensor_skip, search_plan
     from memlab.plan.settings import call_context
 
@@ -330,9 +330,8 @@ def plan(
 
     found = search_plan(
         run,
-        [name for name, _ in blocks],
+        blocks,
         limit,
-        layers=bool(blocks) and is_layer(blocks[0][1]),
         knobs=knobs,
         skip=multi_tensor_skip([_optimizer_and_scheduler(trainer, 0)[0]], target),
         batch=per_device,

@@ -316,7 +316,7 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     without a model with blocks. A model that cannot be checkpointed raises, and the report says
     why (:func:`memlab.oom.postmortem.build_report`)."""
     from memlab.estimate.capped import completes_under
-    from memlab.plan.checkpointing import candidate_blocks, is_layer
+    from memlab.plan.checkpointing import candidate_blocks
     from memlab.plan.search import search_plan
 
     call = capture.call
@@ -343,7 +343,7 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
         )
         return unbounded, flops[-1], within
 
-    found = search_plan(run, names, limit, layers=is_layer(blocks[0][1]))
+    found = search_plan(run, blocks, limit)
     chosen = found.checkpointed
     if found.fits and not chosen:
         return None  # the step as it is fits from this state: no checkpointing to recommend

@@ -17,7 +17,7 @@ from memlab.estimate.copies import named_objects
 from memlab.estimate.estimate import _target, run_estimate
 from memlab.estimate.fit import budget_in_bytes, modelled_gpu
 from memlab.plan.accumulation import batch_size
-from memlab.plan.checkpointing import candidate_blocks, is_layer
+from memlab.plan.checkpointing import candidate_blocks
 from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
 from memlab.plan.search import (
@@ -114,9 +114,8 @@ def plan(
         skip["micro_batches"] = "no optimizer among the step's arguments (it must step once per batch)"
     found = search_plan(
         run,
-        [name for name, _ in blocks],
+        blocks,
         limit,
-        layers=bool(blocks) and is_layer(blocks[0][1]),
         knobs=knobs,
         skip=skip,
         batch=batch_size(args, kwargs),

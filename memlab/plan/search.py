@@ -60,7 +60,7 @@ from memlab._offload import interrupts_held
 from memlab._units import format_size
 from memlab.estimate.estimate import Estimate
 from memlab.history import categories
-from memlab.plan.checkpointing import checkpoint, uncheckpoint
+from memlab.plan.checkpointing import checkpoint, is_layer, uncheckpoint
 from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
 from memlab.plan.settings import AS_IT_IS, Settings
@@ -187,10 +187,9 @@ def _split(found: Plan, run: Callable[[int], Outcome], batch: int | None) -> Non
 
 def search_plan(
     run: Callable[[int, Settings], Outcome],
-    names: list[str],
+    blocks: list[tuple[str, torch.nn.Module]],
     limit: int,
     *,
-    layers: bool,
     knobs: Iterable[str] = ("checkpointing",),
     skip: dict[str, str] | None = None,
     batch: int | None = None,
@@ -198,14 +197,16 @@ def search_plan(
 ) -> Plan:
     """The cheapest :class:`Plan` within ``limit`` bytes with ``knobs`` (:data:`KNOBS`), searched
     as the module docstring says: the settings that add no FLOPs, then the least count of first
-    blocks (``names``, in order) checkpointed, then micro-batches of a batch of ``batch``.
+    ``blocks`` (:func:`~memlab.plan.checkpointing.candidate_blocks`: names and modules, in order)
+    checkpointed, then micro-batches of a batch of ``batch``.
     ``run(count, settings)`` estimates the step with the first ``count`` blocks checkpointed and
     those :class:`~memlab.plan.settings.Settings`: its unbounded estimate, the FLOPs of its last
     step, and its estimate under a CUDA caching allocator capped at ``limit`` (``None`` where it
     runs out of memory there); each configuration is run once. ``skip``: the knobs not to try, with
-    why; ``layers``: the blocks are Hugging Face layers (see :attr:`Plan.code`); ``gpu``: the GPU
-    whose roofline ``run`` counts (its name is the plan's)."""
+    why; ``gpu``: the GPU whose roofline ``run`` counts (its name is the plan's)."""
     knobs = check_knobs(knobs)
+    names = [name for name, _ in blocks]
+    layers = bool(blocks) and is_layer(blocks[0][1])  # Hugging Face layers: see Plan.code
     results: dict[tuple[int, Settings], Outcome] = {}
 
     def once(count: int, settings: Settings) -> Outcome:
