@@ -568,7 +568,7 @@ def test_the_table_covers_every_public_name() -> None:
 SCRIPT = "import torch\nprint('the script ran')\n"
 # (argv, what the one line on stderr contains), {script} and {tmp} filled in; nothing may run.
 CLI: list[tuple[list[str], str]] = [
-    ([], "memlab: error: name a COMMAND: run, estimate, viz, demo"),
+    ([], "memlab: error: name a COMMAND: run, estimate, plan, viz, demo"),
     (["--bogus"], "memlab: error: unrecognized arguments: --bogus"),
     (["bogus"], "memlab: error: argument COMMAND: invalid choice: 'bogus'"),
     (["run"], "memlab run: error: name a script to run"),
@@ -649,6 +649,15 @@ CLI: list[tuple[list[str], str]] = [
     (["estimate", "{tmp}/folder", "--batch-size", "0"], "argument --batch-size: must be a whole number"),
     (["estimate", "{tmp}/folder", "--gpu", "X9000"], "memlab estimate: error: --gpu 'X9000' is not a GPU"),
     (["estimate", "{tmp}/folder", "--fsdp", "--ddp"], "argument --ddp: not allowed with argument --fsdp"),
+    (["plan"], "memlab plan: error: the following arguments are required: CONFIG_OR_MODEL"),
+    (
+        ["plan", "{tmp}/folder", "--gradient-checkpointing"],
+        "memlab plan: error: a plan chooses the blocks to checkpoint: leave out --gradient-checkpointing",
+    ),
+    (
+        ["plan", "{tmp}/folder", "--gpu", "sm87"],
+        "memlab plan: error: a plan needs a budget: --gpu sm87 gives",
+    ),
 ]
 
 

@@ -282,7 +282,7 @@ def test_run_module_with_names_resolved_when_they_appear(
         (["run", "-g", "mps", "{script}"], "-g mps: this torch cannot use it here ("),
         (["--bogus"], "memlab: error: unrecognized arguments: --bogus (see memlab --help)"),
         (["--bogus", "run", "{script}"], "memlab: error: unrecognized arguments: --bogus (see memlab"),
-        ([], "memlab: error: name a COMMAND: run, estimate, viz, demo (see memlab --help)"),
+        ([], "memlab: error: name a COMMAND: run, estimate, plan, viz, demo (see memlab --help)"),
         (
             ["run", "{folder}"],
             "memlab run: error: '{folder}' is a directory, not a script: name a .py file in it, or run a "

@@ -43,6 +43,7 @@ class EstimateCommand:
     --ddp)] [--steps N] [--max-batch-size] [--plan] [--json]``."""
 
     help = "estimate a training step of a model from its config (no download, no GPU): will it fit?"
+    plan_word = "--plan"  # how errors name the plan (the plan command has no --plan to name)
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         parser.description = (
@@ -160,7 +161,7 @@ class EstimateCommand:
             budget = _budget(args.budget, gpu)
         except ValueError as error:
             raise CommandError(str(error)) from None
-        for flag, asked in (("--max-batch-size", args.max_batch_size), ("--plan", args.plan)):
+        for flag, asked in (("--max-batch-size", args.max_batch_size), (self.plan_word, args.plan)):
             if asked and budget is None:
                 raise CommandError(
                     f"{flag} needs a budget: --gpu {args.gpu} gives only a compute capability; "
@@ -168,7 +169,7 @@ class EstimateCommand:
                 )
         if args.plan and args.gradient_checkpointing:
             raise CommandError(
-                "--plan chooses the blocks to checkpoint: leave out --gradient-checkpointing "
+                f"{self.plan_word} chooses the blocks to checkpoint: leave out --gradient-checkpointing "
                 "(it checkpoints them all)"
             )
         from memlab.integrations.models import model_recipe
@@ -405,6 +406,7 @@ class PlanCommand(EstimateCommand):
     """``memlab plan CONFIG_OR_MODEL [options of memlab estimate]``: ``memlab estimate --plan``."""
 
     help = "plan the cheapest change that makes a model's training steps fit a GPU (memlab estimate --plan)"
+    plan_word = "a plan"
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         super().prepare_parser(parser)
