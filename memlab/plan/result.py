@@ -138,7 +138,10 @@ class Plan:
                 f"the model has no module {missing[0]!r}: apply the plan to the model it was made for "
                 f"(its blocks: {', '.join(self.blocks)})"
             )
-        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            optimizers = [] if optimizer is None else [optimizer]
+        else:
+            optimizers = list(optimizer) if isinstance(optimizer, Iterable) else [optimizer]
         if not all(isinstance(one, torch.optim.Optimizer) for one in optimizers):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or several, got {optimizer!r:.80}")
         if self.settings.per_parameter and not optimizers:

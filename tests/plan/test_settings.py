@@ -81,6 +81,8 @@ def test_a_plan_that_changes_the_optimizer_needs_it_to_be_applied():
     )
     with pytest.raises(TypeError, match=r"^optimizer must be a torch.optim.Optimizer or several, got \[1\]"):
         found.apply(model, [1])
+    with pytest.raises(TypeError, match=r"^optimizer must be a torch.optim.Optimizer or several, got 5"):
+        found.apply(model, 5)
     assert optimizer.param_groups[0]["foreach"] is True
 
 
