@@ -30,7 +30,7 @@ from memlab.estimate.fit import BatchFit, budget_in_bytes, modelled_gpu, search_
 from memlab.integrations._lightning_callback import MemlabCallback
 from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
-from memlab.plan.search import DEFAULT_KNOBS
+from memlab.plan.search import DEFAULT_KNOBS, Outcome
 from memlab.plan.settings import Settings
 
 __all__ = ["MemlabCallback", "estimate", "max_batch_size", "plan"]
@@ -193,7 +193,7 @@ def plan(
         skip["micro_batches"] = str(error)
     accumulate = trainer.accumulate_grad_batches
 
-    def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
+    def run(count: int, settings: Settings) -> Outcome:
         flops: list[Cost] = []
         split = settings.micro_batches
         job, data, accumulating = module, datamodule, trainer

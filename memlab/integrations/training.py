@@ -30,7 +30,7 @@ from memlab.integrations.models import ModelRecipe
 from memlab.plan.checkpointing import candidate_blocks, checkpoint
 from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
-from memlab.plan.search import DEFAULT_KNOBS, search_plan
+from memlab.plan.search import DEFAULT_KNOBS, Outcome, search_plan
 from memlab.plan.settings import AS_IT_IS, Settings, call_context
 
 __all__ = [
@@ -314,7 +314,7 @@ def plan_training(recipe: ModelRecipe, setup: TrainingSetup, budget: int) -> Pla
     counted = ParameterCount()
     with _job(recipe, setup) as mesh:
 
-        def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
+        def run(count: int, settings: Settings) -> Outcome:
             flops: list[Cost] = []
             found = _estimate(recipe, setup, setup.batch_size, None, counted, mesh, count, flops, settings)
             return found, flops[-1], found.under(budget)

@@ -24,7 +24,7 @@ from memlab.integrations._trainer_callback import MemlabCallback
 from memlab.integrations._trainer_step import TrainerLoop, optimizer_step, plan_batches, untouched
 from memlab.plan.flops import Cost
 from memlab.plan.result import Plan
-from memlab.plan.search import DEFAULT_KNOBS
+from memlab.plan.search import DEFAULT_KNOBS, Outcome
 from memlab.plan.settings import Settings
 
 __all__ = ["MemlabCallback", "TrainerBatchFit", "estimate", "max_batch_size", "plan"]
@@ -313,7 +313,7 @@ def plan(
         trainer.args.gradient_accumulation_steps,
     )
 
-    def run(count: int, settings: Settings) -> tuple[Estimate, int, Estimate | None]:
+    def run(count: int, settings: Settings) -> Outcome:
         flops: list[Cost] = []
         split = settings.micro_batches
         with checkpointed(modules[:count], settings.selective):

@@ -32,6 +32,7 @@ from memlab.sources.allocator.config import K_SMALL_BUFFER
 if TYPE_CHECKING:
     from memlab.estimate.result import Estimate
     from memlab.plan.flops import Cost
+    from memlab.plan.search import Outcome
 
 __all__ = [
     "REMEDY_STEPS",
@@ -332,7 +333,7 @@ def checkpointing_remedy(capture: OOMCapture, start: Start) -> Remedy | None:
     def make() -> tuple[tuple[Any, ...], dict[str, Any]]:
         return call.args, call.kwargs
 
-    def run(count: int, _: Any) -> tuple[Estimate, int, Estimate | None]:  # checkpointing only: no settings
+    def run(count: int, _: Any) -> Outcome:  # checkpointing only: no settings
         flops: list[Cost] = []
         context = _checkpointing_first(model, names[:count], flops)
         unbounded = _peak(capture, start, call.func, make, None, call_context=context)
